@@ -1,0 +1,100 @@
+"""Frozen configuration dataclasses, built once at an entry point and passed down."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from disco.errors import InvalidRequest
+
+DEFAULT_MAX_LOOKAHEAD = 20
+MAX_LOOKAHEAD_LIMIT = 64
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen and when generation ends.
+
+    ``temperature == 0`` means greedy decoding (the default, as in ``disco generate``).
+    With ``temperature > 0`` the target distribution is the model's softmax after
+    temperature, top-k and top-p warping; speculative decoding preserves exactly that
+    distribution (rejection sampling, Leviathan et al. 2023 / Chen et al. 2023).
+
+    Stop strings follow vLLM: the text is cut *before* the stop string, the token that
+    completed it is the last token id returned. EOS tokens are returned in
+    ``token_ids`` but not rendered in the text.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, max_new_tokens_limit: int | None = None) -> None:
+        """Raise :class:`InvalidRequest` with a precise message if a field is out of range."""
+        if self.max_new_tokens < 1:
+            raise InvalidRequest(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if max_new_tokens_limit is not None and self.max_new_tokens > max_new_tokens_limit:
+            raise InvalidRequest(
+                f"max_new_tokens must be <= {max_new_tokens_limit} on this server, "
+                f"got {self.max_new_tokens}"
+            )
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequest(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidRequest(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise InvalidRequest(f"seed must be in [0, 2**63), got {self.seed}")
+        for stop in self.stop:
+            if not stop:
+                raise InvalidRequest("stop strings must not be empty")
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """Per-request speculation settings: which stop policy, and the lookahead cap."""
+
+    policy: str = "static:6"
+    max_lookahead: int = DEFAULT_MAX_LOOKAHEAD
+
+    def validate(self) -> None:
+        if not 1 <= self.max_lookahead <= MAX_LOOKAHEAD_LIMIT:
+            raise InvalidRequest(
+                f"max_lookahead must be in [1, {MAX_LOOKAHEAD_LIMIT}], got {self.max_lookahead}"
+            )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Where a model comes from and how it runs.
+
+    ``spec`` is a local HF folder, a hub id, or a ``.gguf`` file; ``None`` means the
+    default pair (prepared offline from PyPI on first use, see :mod:`disco.model_store`).
+    """
+
+    spec: str | None = None
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+
+    def validate(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise InvalidRequest(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
+            raise InvalidRequest(f"device must be cpu or cuda[:N], got {self.device!r}")
+
+
+@dataclass(frozen=True)
+class PairConfig:
+    """The target and draft models of one deployment."""
+
+    target: ModelConfig = field(default_factory=ModelConfig)
+    draft: ModelConfig = field(default_factory=ModelConfig)

@@ -1,0 +1,117 @@
+"""The two roles the speculation loop talks to, and the messages between them.
+
+Vocabulary (as in vLLM's spec-decode docs):
+
+* **draft tokens** — proposed by the draft model, one block per iteration; the block
+  length is the iteration's **lookahead**.
+* **accepted tokens** — the longest prefix of the block the target agrees with (greedy:
+  equal to the target's argmax; sampling: kept by rejection sampling).
+* **bonus token** — the one token the target adds after the accepted prefix: the
+  correction of the first rejected draft token, or, when every draft token was accepted,
+  a free extra token from the last target distribution.
+
+The loop sees only :class:`Drafter` and :class:`Verifier`; the in-process engines and the
+gRPC clients both implement them and must produce the same tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Protocol, Sequence, Union
+
+import torch
+
+from disco.config import SamplingParams
+
+
+@dataclass(frozen=True)
+class Feedback:
+    """Outcome of the previous verification, sent with the next ``Draft`` call so that
+    rolling back the draft KV cache and drafting the next block are one round trip."""
+
+    num_accepted: int
+    bonus_token_id: int
+
+
+@dataclass(frozen=True)
+class DraftToken:
+    """One draft token as the drafter streams it."""
+
+    token_id: int
+    draft_prob: float  # probability the (warped) draft distribution gave this token
+    draft_probs: torch.Tensor | None = None  # [vocab] full warped distribution; sampling only
+
+
+@dataclass(frozen=True)
+class DraftSummary:
+    """Ends every draft stream: how the block was made and why drafting stopped."""
+
+    forwards: int  # draft-model forward passes spent on this block (incl. a discarded token)
+    elapsed_ns: int  # server-side time spent drafting this block
+    stop_reason: str  # "policy", "lookahead_cap" or "discarded" (oracle)
+
+
+DraftEvent = Union[DraftToken, DraftSummary]
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    prompt_tokens: int
+    elapsed_ns: int
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """The target's verdict on one block."""
+
+    num_accepted: int
+    bonus_token_id: int
+    forward_ns: int  # time in the target forward pass
+    elapsed_ns: int  # total server-side time of the call
+
+
+class Drafter(Protocol):
+    """Proposes draft tokens; owns the draft KV cache and the per-session stop policy."""
+
+    def start_session(
+        self,
+        session_id: str,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        policy_spec: str,
+        reference_ids: Sequence[int] | None = None,
+    ) -> PrefillResult:
+        """Create a session and prefill the prompt. ``reference_ids`` is the target's
+        own greedy continuation; only the analysis-only ``oracle`` policy uses it."""
+        ...
+
+    def draft(
+        self, session_id: str, feedback: Feedback | None, max_lookahead: int
+    ) -> Iterator[DraftEvent]:
+        """Apply ``feedback`` (roll back to the accepted prefix, append the bonus token),
+        then draft up to ``max_lookahead`` tokens, asking the stop policy after each one.
+        Yields the tokens as they are produced, then exactly one :class:`DraftSummary`."""
+        ...
+
+    def end_session(self, session_id: str) -> None: ...
+
+
+class Verifier(Protocol):
+    """Verifies draft blocks with the target model; owns the target KV cache."""
+
+    def start_session(
+        self, session_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
+    ) -> PrefillResult: ...
+
+    def verify(
+        self,
+        session_id: str,
+        draft_token_ids: Sequence[int],
+        draft_probs: torch.Tensor | None,  # [k, vocab] when sampling, else None
+    ) -> VerifyResult:
+        """One target forward over the block: accept the longest valid prefix, roll the KV
+        cache back to it, return the accepted count and the bonus token. An empty block
+        is a plain target-only decoding step."""
+        ...
+
+    def end_session(self, session_id: str) -> None: ...

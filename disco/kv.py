@@ -1,0 +1,68 @@
+"""A token sequence plus the KV cache that covers a prefix of it.
+
+Both engines keep one :class:`CachedSequence` per session. Invariant: the cache holds
+exactly ``tokens[:cache_len]``; the rest of ``tokens`` is *pending* and is fed to the
+model by the next :meth:`CachedSequence.forward`. Rolling back to an accepted prefix is
+:meth:`truncate`, which crops the cache (transformers 5.x ``DynamicCache.crop`` takes
+the negative number of positions to remove).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache
+
+
+class CachedSequence:
+    def __init__(self, model: torch.nn.Module, token_ids: Sequence[int]) -> None:
+        self.model = model
+        self.tokens: list[int] = list(token_ids)
+        self.cache = DynamicCache(config=model.config)
+        self.cache_len = 0
+        self.device = next(model.parameters()).device
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.tokens) - self.cache_len
+
+    @torch.inference_mode()
+    def forward(
+        self, num_logits: int, want_hidden: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feed every pending token; return the logits of the last ``num_logits``
+        positions ``[num_logits, vocab]`` (float32) and, if asked, their last hidden
+        states ``[num_logits, hidden]``. Afterwards the cache covers all tokens."""
+        assert 1 <= num_logits <= self.num_pending, (num_logits, self.num_pending)
+        input_ids = torch.tensor([self.tokens[self.cache_len:]], dtype=torch.long, device=self.device)
+        output = self.model(
+            input_ids=input_ids,
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=num_logits,
+            output_hidden_states=want_hidden,
+        )
+        self.cache_len = len(self.tokens)
+        hidden = output.hidden_states[-1][0, -num_logits:].float() if want_hidden else None
+        return output.logits[0, -num_logits:].float(), hidden
+
+    @torch.inference_mode()
+    def prefill(self) -> None:
+        """Feed all tokens but the last into the cache (the last stays pending, so the
+        next forward yields the first new token's distribution)."""
+        if len(self.tokens) - 1 > self.cache_len:
+            input_ids = torch.tensor([self.tokens[self.cache_len:-1]], dtype=torch.long, device=self.device)
+            self.model(input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=1)
+            self.cache_len = len(self.tokens) - 1
+
+    def truncate(self, length: int) -> None:
+        """Keep ``tokens[:length]`` and drop cache entries beyond it."""
+        assert 0 <= length <= len(self.tokens)
+        del self.tokens[length:]
+        if self.cache_len > length:
+            self.cache.crop(-(self.cache_len - length))
+            self.cache_len = length

@@ -1,0 +1,179 @@
+"""The speculation loop: one implementation for every transport.
+
+It sees only a :class:`~disco.interfaces.Drafter` and a
+:class:`~disco.interfaces.Verifier`; the in-process engines and the gRPC clients plug
+in behind them. Per iteration it reads as three stages — draft, verify, accept — like
+vLLM's propose/score/verify and HF's assisted-generation loop. The loop's token list is
+the source of truth for the request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Iterator, Sequence, Union
+
+import torch
+
+from disco.config import SamplingParams, SpeculationConfig
+from disco.detokenize import Decode, IncrementalDetokenizer
+from disco.errors import InvalidRequest
+from disco.interfaces import DraftSummary, Drafter, Feedback, Verifier
+from disco.policies import parse_policy_spec
+from disco.stats import RequestStats
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    """Tokens accepted in one iteration (after EOS/stop/length truncation) and their text."""
+
+    token_ids: list[int]
+    text: str
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    token_ids: list[int]  # generated ids only (EOS included if generated)
+    text: str
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    stats: RequestStats
+
+
+GenerationEvent = Union[TokenChunk, GenerationResult]
+
+
+def derive_seeds(sampling: SamplingParams) -> tuple[SamplingParams, SamplingParams]:
+    """Per-side sampling params: the drafter and the verifier each get their own seeded
+    generator (seed and seed + 1), so a seeded request is reproducible on any transport."""
+    if sampling.is_greedy:
+        return sampling, sampling
+    seed = sampling.seed if sampling.seed is not None else secrets.randbelow(2**62)
+    return (dataclasses.replace(sampling, seed=seed),
+            dataclasses.replace(sampling, seed=(seed + 1) % 2**63))
+
+
+class SpeculativeGenerator:
+    """Runs requests through a drafter/verifier pair."""
+
+    def __init__(
+        self,
+        drafter: Drafter | None,
+        verifier: Verifier,
+        decode: Decode,
+        eos_token_ids: Sequence[int],
+        max_new_tokens_limit: int | None = None,
+    ) -> None:
+        self.drafter = drafter
+        self.verifier = verifier
+        self.decode = decode
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_new_tokens_limit = max_new_tokens_limit
+
+    def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
+                 speculation: SpeculationConfig) -> GenerationResult:
+        result = None
+        for event in self.stream(prompt_ids, sampling, speculation):
+            if isinstance(event, GenerationResult):
+                result = event
+        assert result is not None
+        return result
+
+    def validate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
+                 speculation: SpeculationConfig) -> None:
+        """Raise :class:`InvalidRequest` before any work is done."""
+        if not prompt_ids:
+            raise InvalidRequest("prompt is empty")
+        sampling.validate(self.max_new_tokens_limit)
+        speculation.validate()
+        spec = parse_policy_spec(speculation.policy)
+        if spec.uses_draft and self.drafter is None:
+            raise InvalidRequest(f"policy {spec.text!r} needs a draft model, but none is configured")
+        if spec.name == "oracle" and not sampling.is_greedy:
+            raise InvalidRequest("the oracle policy is defined for greedy decoding only (temperature 0)")
+
+    def stream(self, prompt_ids: Sequence[int], sampling: SamplingParams,
+               speculation: SpeculationConfig) -> Iterator[GenerationEvent]:
+        """Yields a :class:`TokenChunk` per iteration, then one :class:`GenerationResult`."""
+        self.validate(prompt_ids, sampling, speculation)
+        spec = parse_policy_spec(speculation.policy)
+        reference_ids = None
+        if spec.name == "oracle":  # analysis only: the target's own output first
+            reference_ids = self.generate(
+                prompt_ids, sampling, dataclasses.replace(speculation, policy="none")).token_ids
+        return self._run(list(prompt_ids), sampling, speculation, spec.uses_draft, reference_ids)
+
+    def _run(self, prompt_ids: list[int], sampling: SamplingParams, speculation: SpeculationConfig,
+             uses_draft: bool, reference_ids: list[int] | None) -> Iterator[GenerationEvent]:
+        started = time.perf_counter()
+        stats = RequestStats(prompt_tokens=len(prompt_ids))
+        detokenizer = IncrementalDetokenizer(
+            self.decode, sampling.stop, () if sampling.ignore_eos else self.eos_token_ids)
+        draft_sampling, target_sampling = derive_seeds(sampling)
+        session_id = uuid.uuid4().hex
+        generated: list[int] = []
+        finish_reason = ""
+        sessions_started: list = []
+        try:
+            # 1. Prefill: one session in each service.
+            self.verifier.start_session(session_id, prompt_ids, target_sampling)
+            sessions_started.append(self.verifier)
+            if uses_draft:
+                assert self.drafter is not None
+                self.drafter.start_session(session_id, prompt_ids, draft_sampling, speculation.policy,
+                                           reference_ids)
+                sessions_started.append(self.drafter)
+            stats.prefill_s = time.perf_counter() - started
+            feedback: Feedback | None = None
+            while not finish_reason:
+                # 2. Draft: never more than can still be used (remaining tokens - bonus).
+                lookahead_cap = min(speculation.max_lookahead, sampling.max_new_tokens - len(generated) - 1)
+                draft_ids: list[int] = []
+                draft_probs: list[torch.Tensor] = []
+                if uses_draft and lookahead_cap > 0:
+                    draft_started = time.perf_counter()
+                    for event in self.drafter.draft(session_id, feedback, lookahead_cap):
+                        if isinstance(event, DraftSummary):
+                            stats.draft_forwards += event.forwards
+                        else:
+                            draft_ids.append(event.token_id)
+                            if event.draft_probs is not None:
+                                draft_probs.append(event.draft_probs)
+                    feedback = None
+                    stats.draft_s += time.perf_counter() - draft_started
+                # 3. Verify the whole block in one target forward.
+                verify_started = time.perf_counter()
+                verdict = self.verifier.verify(
+                    session_id, draft_ids, torch.stack(draft_probs) if draft_probs else None)
+                stats.verify_s += time.perf_counter() - verify_started
+                stats.record_iteration(len(draft_ids), verdict.num_accepted)
+                feedback = Feedback(verdict.num_accepted, verdict.bonus_token_id)
+                # 4. Accept: the accepted prefix plus the bonus token, then EOS/stop/length.
+                new_ids = draft_ids[:verdict.num_accepted] + [verdict.bonus_token_id]
+                chunk_ids, chunk_text = [], ""
+                for token_id in new_ids:
+                    generated.append(token_id)
+                    chunk_ids.append(token_id)
+                    delta = detokenizer.push(token_id)
+                    chunk_text += delta.text
+                    if delta.stopped:
+                        finish_reason = "stop"
+                        break
+                    if len(generated) >= sampling.max_new_tokens:
+                        finish_reason = "length"
+                        chunk_text += detokenizer.finish().text
+                        break
+                yield TokenChunk(token_ids=chunk_ids, text=chunk_text)
+        finally:
+            for service in sessions_started:
+                try:
+                    service.end_session(session_id)
+                except Exception:  # noqa: BLE001 - freeing is best effort; the result stands
+                    pass
+        stats.generated_tokens = len(generated)
+        stats.finish_reason = finish_reason
+        stats.wall_s = time.perf_counter() - started
+        yield GenerationResult(token_ids=generated, text=detokenizer.text, finish_reason=finish_reason,
+                               stats=stats)

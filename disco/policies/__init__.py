@@ -1,0 +1,6 @@
+"""Stop policies: decide, after each draft token, whether to keep drafting."""
+
+from disco.policies.base import Decision, StopPolicy
+from disco.policies.spec import POLICY_INFOS, PolicyFactory, PolicySpec, parse_policy_spec
+
+__all__ = ["Decision", "StopPolicy", "POLICY_INFOS", "PolicyFactory", "PolicySpec", "parse_policy_spec"]

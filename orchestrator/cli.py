@@ -1,0 +1,45 @@
+"""The ``disco`` command line: one parser, subcommands registered from
+:mod:`orchestrator.commands`. Domain errors become one stderr line and exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from disco.errors import DiscoError
+
+# Subcommand modules, in the order ``disco --help`` lists them.
+COMMAND_MODULES = (
+    "orchestrator.commands.generate",
+    "orchestrator.commands.policies",
+    "orchestrator.commands.models",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="disco",
+        description="Speculative decoding with a learned dynamic lookahead (DISCO), as gRPC services.",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except DiscoError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
