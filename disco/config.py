@@ -63,7 +63,7 @@ class SamplingParams:
 class SpeculationConfig:
     """Per-request speculation settings: which stop policy, and the lookahead cap."""
 
-    policy: str = "static:6"
+    policy: str = "static:6"  # the CLI default; see orchestrator.commands.generate
     max_lookahead: int = DEFAULT_MAX_LOOKAHEAD
 
     def validate(self) -> None:

@@ -57,6 +57,12 @@ class DefaultModel:
         num_parts: number of chunk packages (``part1`` … ``partN``).
         size: size in bytes of the assembled ``.gguf``.
         sha256: sha256 hex of the assembled ``.gguf``.
+        eos_token_ids: ids that end generation, as the upstream ``generation_config.json``
+            lists them.
+
+    NOTE: the GGUF files keep only ``<|im_end|>`` (151645) as EOS; upstream Qwen2.5
+    also stops at ``<|endoftext|>`` (151643), which plain (non-chat) completions emit,
+    so the conversion writes both into the generation config.
     """
 
     role: str
@@ -67,6 +73,7 @@ class DefaultModel:
     num_parts: int
     size: int
     sha256: str
+    eos_token_ids: tuple[int, ...] = ()
 
     @property
     def requirements(self) -> tuple[str, ...]:
@@ -100,6 +107,7 @@ def _default_models() -> tuple[DefaultModel, ...]:
             num_parts=22,
             size=1_117_320_768,
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            eos_token_ids=(151645, 151643),
         ),
         DefaultModel(
             role="draft",
@@ -110,6 +118,7 @@ def _default_models() -> tuple[DefaultModel, ...]:
             num_parts=6,
             size=491_400_064,
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            eos_token_ids=(151645, 151643),
         ),
     )
 
@@ -146,7 +155,7 @@ def ensure_default_model(role: str, home: Path, progress: bool = True) -> Path:
         start = time.perf_counter()
         logger.info("preparing default %s model %s in %s (first use only) ...", role, model.display_name, home)
         gguf = ensure_gguf(model, home, progress)
-        folder = convert_gguf(gguf, home, sha256=model.sha256)
+        folder = convert_gguf(gguf, home, sha256=model.sha256, eos_token_ids=model.eos_token_ids)
         shutil.rmtree(_downloads_dir(model, home), ignore_errors=True)
         logger.info("prepared %s in %.1f s: %s", model.display_name, time.perf_counter() - start, folder)
     return folder

@@ -19,6 +19,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel
@@ -161,7 +162,9 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
         )
 
 
-def convert_gguf(gguf_path: Path, home: Path, sha256: str | None = None) -> Path:
+def convert_gguf(
+    gguf_path: Path, home: Path, sha256: str | None = None, eos_token_ids: Sequence[int] | None = None
+) -> Path:
     """Dequantize a ``.gguf`` file once into a dense bfloat16 HF folder and return it.
 
     The folder is ``<home>/converted/<stem>-<sha12>/``; it is written under a temporary
@@ -171,11 +174,13 @@ def convert_gguf(gguf_path: Path, home: Path, sha256: str | None = None) -> Path
         gguf_path: the ``.gguf`` file.
         home: the disco cache folder.
         sha256: the file's sha256 if already known (saves hashing it again).
+        eos_token_ids: if given, written into the generation config (a GGUF keeps only
+            one EOS id where the upstream model may list several).
 
     Raises:
         ModelError: transformers cannot read or convert the file.
     """
-    sha256 = sha256 or file_sha256(gguf_path)
+    sha256 = sha256 or _cached_gguf_sha256(gguf_path, home)
     folder = converted_folder(home, gguf_path.stem, sha256)
     if (folder / SOURCE_FILE).is_file():
         logger.info("loading cached conversion %s", folder)
@@ -193,6 +198,8 @@ def convert_gguf(gguf_path: Path, home: Path, sha256: str | None = None) -> Path
             quantization_config=GgufConfig(dequantize=True),
         )
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        if eos_token_ids:
+            model.generation_config.eos_token_id = list(eos_token_ids)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         del model
@@ -201,6 +208,8 @@ def convert_gguf(gguf_path: Path, home: Path, sha256: str | None = None) -> Path
         raise ModelError(f"could not convert {gguf_path}: {_first_line(error)}") from error
     source = {"gguf_file": gguf_path.name, "gguf_sha256": sha256, "gguf_size": gguf_path.stat().st_size}
     (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
+    for path in tmp.iterdir():  # NOTE: the weights are written 0600; services may run as another user
+        path.chmod(0o644)
     if (folder / SOURCE_FILE).is_file():  # another process finished first
         shutil.rmtree(tmp, ignore_errors=True)
     else:
@@ -222,6 +231,24 @@ def file_sha256(path: Path) -> str:
         while chunk := f.read(_HASH_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def _cached_gguf_sha256(gguf_path: Path, home: Path) -> str:
+    """sha256 of a user's gguf file, remembered per (path, size, mtime) under ``home``."""
+    stat = gguf_path.stat()
+    key = {"path": str(gguf_path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    marker = home / CONVERTED_DIR / "gguf-hashes" / (hashlib.sha256(key["path"].encode()).hexdigest()[:16] + ".json")
+    try:
+        cached = json.loads(marker.read_text())
+        if {k: cached.get(k) for k in key} == key:
+            return cached["sha256"]
+    except (OSError, ValueError, KeyError):
+        pass
+    logger.info("hashing %s ...", gguf_path)
+    sha256 = file_sha256(gguf_path)
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps({**key, "sha256": sha256}) + "\n")
+    return sha256
 
 
 def folder_fingerprint(folder: Path) -> str:

@@ -3,7 +3,7 @@ import torch
 
 from tests import tiny
 
-torch.set_num_threads(2)
+torch.set_num_threads(1)  # tiny models: threads only add overhead
 
 
 @pytest.fixture(scope="session")
@@ -24,3 +24,17 @@ def drafts(target_model):
         "same": target_model,
         "noisy": tiny.noisy_copy(target_model, scale=0.02, seed=2),
     }
+
+
+@pytest.fixture(scope="session")
+def tiny_pair_dirs(tmp_path_factory, tokenizer, target_model, drafts):
+    """The tiny target and noisy draft saved as HF folders (model + tokenizer), so the
+    CLI and servers can load them like any real model spec."""
+    root = tmp_path_factory.mktemp("tiny_pair")
+    folders = {}
+    for role, model in (("target", target_model), ("draft", drafts["noisy"])):
+        folder = root / role
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        folders[role] = folder
+    return folders

