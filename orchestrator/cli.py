@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 
-from disco.errors import DiscoError
+from disco.platform import tune_cpu_math_env
+
+tune_cpu_math_env()  # before anything imports torch
+
+from disco.errors import DiscoError  # noqa: E402
 
 # Subcommand modules, in the order ``disco --help`` lists them.
 COMMAND_MODULES = (
@@ -22,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="disco",
         description="Speculative decoding with a learned dynamic lookahead (DISCO), as gRPC services.",
     )
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="log level of progress messages on stderr (default INFO)")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)
@@ -31,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args) or 0)
     except DiscoError as error:

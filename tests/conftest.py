@@ -1,5 +1,9 @@
-import pytest
-import torch
+from disco.platform import tune_cpu_math_env
+
+tune_cpu_math_env()  # before torch is imported, as the CLI does
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from tests import tiny
 
