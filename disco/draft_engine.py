@@ -13,6 +13,7 @@ import torch
 from disco.config import SamplingParams
 from disco.errors import InvalidRequest
 from disco.interfaces import DraftEvent, DraftSummary, DraftToken, Feedback, PrefillResult
+from disco.batching import ForwardBatcher
 from disco.kv import CachedSequence
 from disco.policies import Decision, PolicyFactory, StopPolicy
 from disco.sampling import logits_to_probs, make_generator
@@ -40,12 +41,14 @@ class DraftEngine:
         model: torch.nn.Module,
         policy_factory: PolicyFactory,
         limits: SessionLimits = SessionLimits(),
+        max_batch: int = 16,
     ) -> None:
         self.model = model
         self.policy_factory = policy_factory
         self.max_context = int(getattr(model.config, "max_position_embeddings", 1 << 30))
         self.sessions: SessionStore[DraftSession] = SessionStore(limits)
-        self._forward_lock = threading.Lock()  # NOTE: one forward at a time; batching comes later
+        # Concurrent sessions' forwards run as one padded batch (see disco.batching).
+        self.batcher = ForwardBatcher(model, max_batch)
 
     def start_session(
         self,
@@ -69,7 +72,7 @@ class DraftEngine:
             sampling=sampling,
             generator=make_generator(sampling.seed),
         )
-        with self._forward_lock:
+        with self.batcher.model_lock:
             session.sequence.prefill()
         self.sessions.add(session_id, session)
         return PrefillResult(prompt_tokens=len(prompt_ids), elapsed_ns=time.perf_counter_ns() - started)
@@ -117,8 +120,7 @@ class DraftEngine:
             budget = max(0, min(max_lookahead, policy.begin_block(max_lookahead), room))
             forwards, stop_reason = 0, "lookahead_cap"
             for position in range(budget):
-                with self._forward_lock:
-                    logits, hidden = sequence.forward(1, want_hidden=policy.needs_hidden)
+                logits, hidden = self.batcher.forward(sequence, 1, want_hidden=policy.needs_hidden)
                 forwards += 1
                 token = self._choose(session, logits[0])
                 signals = token_signals(logits[0], token.token_id, hidden[0] if hidden is not None else None) \

@@ -12,6 +12,7 @@ import torch
 from disco.config import SamplingParams
 from disco.errors import InvalidRequest
 from disco.interfaces import PrefillResult, VerifyResult
+from disco.batching import ForwardBatcher
 from disco.kv import CachedSequence
 from disco.sampling import greedy_accept, logits_to_probs, make_generator, rejection_sample
 from disco.sessions import SessionLimits, SessionStore
@@ -28,12 +29,13 @@ class TargetSession:
 class TargetEngine:
     """Implements :class:`disco.interfaces.Verifier` over a local HF causal LM."""
 
-    def __init__(self, model: torch.nn.Module, limits: SessionLimits = SessionLimits()) -> None:
+    def __init__(self, model: torch.nn.Module, limits: SessionLimits = SessionLimits(), max_batch: int = 16) -> None:
         self.model = model
         self.vocab_size = int(model.config.vocab_size)
         self.max_context = int(getattr(model.config, "max_position_embeddings", 1 << 30))
         self.sessions: SessionStore[TargetSession] = SessionStore(limits)
-        self._forward_lock = threading.Lock()  # NOTE: one forward at a time; batching comes later
+        # Concurrent sessions' forwards run as one padded batch (see disco.batching).
+        self.batcher = ForwardBatcher(model, max_batch)
 
     def start_session(
         self, session_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
@@ -53,7 +55,7 @@ class TargetEngine:
             sampling=sampling,
             generator=make_generator(sampling.seed),
         )
-        with self._forward_lock:
+        with self.batcher.model_lock:
             session.sequence.prefill()
         self.sessions.add(session_id, session)
         return PrefillResult(prompt_tokens=len(prompt_ids), elapsed_ns=time.perf_counter_ns() - started)
@@ -85,8 +87,7 @@ class TargetEngine:
             base = len(sequence)
             sequence.tokens.extend(draft_token_ids)
             forward_started = time.perf_counter_ns()
-            with self._forward_lock:
-                target_logits, _ = sequence.forward(num_draft + 1)  # [k + 1, vocab]
+            target_logits, _ = self.batcher.forward(sequence, num_draft + 1)  # [k + 1, vocab]
             forward_ns = time.perf_counter_ns() - forward_started
             if session.sampling.is_greedy:
                 num_accepted, bonus = greedy_accept(draft_token_ids, target_logits)

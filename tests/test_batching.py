@@ -1,0 +1,80 @@
+"""Cross-session batching: a padded batch computes what each session computes alone."""
+
+import threading
+
+import torch
+
+from disco.batching import ForwardBatcher, _padded_forward, _Request
+from disco.config import SamplingParams, SpeculationConfig
+from disco.kv import CachedSequence
+from tests.helpers import local_generator
+
+PROMPTS = ([5, 9, 11, 40, 7, 3], [8, 100, 22], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+PENDING = ([17, 18], [19], [20, 21, 22])
+
+
+def _sequences(model):
+    sequences = []
+    for prompt, pending in zip(PROMPTS, PENDING):
+        sequence = CachedSequence(model, prompt)
+        sequence.prefill()
+        sequence.forward(1)
+        sequence.tokens.extend(pending)
+        sequences.append(sequence)
+    return sequences
+
+
+def test_padded_forward_matches_each_session_alone(target_model):
+    alone, batched = _sequences(target_model), _sequences(target_model)
+    expected = [s.forward(len(p)) for s, p in zip(alone, PENDING)]
+    results = _padded_forward(target_model, [_Request(s, len(p), True) for s, p in zip(batched, PENDING)])
+    for (expected_logits, _), (logits, hidden) in zip(expected, results):
+        torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
+        assert torch.equal(logits.argmax(-1), expected_logits.argmax(-1))
+        assert hidden.shape == (logits.shape[0], target_model.config.hidden_size)
+    for a, b in zip(alone, batched):  # caches come back per session and stay usable
+        assert a.cache_len == b.cache_len == b.cache.get_seq_length()
+        a.tokens.append(33)
+        b.tokens.append(33)
+        torch.testing.assert_close(a.forward(1)[0], b.forward(1)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_concurrent_sessions_are_batched_and_exact(target_model, drafts, tokenizer):
+    generator = local_generator(target_model, drafts["noisy"], tokenizer)
+    sampling = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    jobs = [(tokenizer(f"def f{i}(x):\n    return x * {i}")["input_ids"], policy)
+            for i, policy in enumerate(["static:3", "none", "heuristic:2", "static:5", "confidence:0.2",
+                                        "static:1", "static:4", "none"])]
+    alone = [generator.generate(ids, sampling, SpeculationConfig(policy=policy)).token_ids for ids, policy in jobs]
+    target_only = [generator.generate(ids, sampling, SpeculationConfig(policy="none")).token_ids for ids, _ in jobs]
+    assert alone == target_only
+    generator.verifier.batcher.batch_sizes.clear()
+    results = [None] * len(jobs)
+    barrier = threading.Barrier(len(jobs))
+
+    def worker(index):
+        barrier.wait()
+        ids, policy = jobs[index]
+        results[index] = generator.generate(ids, sampling, SpeculationConfig(policy=policy)).token_ids
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(jobs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert results == alone
+    assert max(generator.verifier.batcher.batch_sizes) > 1, "concurrent verifications were never batched"
+    assert generator.verifier.active_sessions() == 0 and generator.drafter.active_sessions() == 0
+
+
+def test_errors_reach_the_caller(target_model):
+    batcher = ForwardBatcher(target_model)
+    sequence = CachedSequence(target_model, [1, 2, 3])
+    sequence.prefill()
+    try:
+        batcher.forward(sequence, 5)  # more logits than pending tokens
+    except AssertionError:
+        pass
+    else:
+        raise AssertionError("expected the forward's error")
+    assert batcher.forward(sequence, 1)[0].shape[0] == 1  # the batcher still works
