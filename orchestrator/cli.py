@@ -19,6 +19,7 @@ COMMAND_MODULES = (
     "orchestrator.commands.generate",
     "orchestrator.commands.policies",
     "orchestrator.commands.models",
+    "orchestrator.commands.serve", "orchestrator.commands.info", "orchestrator.commands.bench_transport",
 )
 
 

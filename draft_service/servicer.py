@@ -1,0 +1,56 @@
+"""``disco.v1.DraftService``: validate → convert → :class:`DraftEngine` → convert back.
+
+Domain errors raised by the engine become status codes in
+:class:`protos.runtime.ErrorInterceptor`; nothing here catches them.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import closing
+from typing import Iterator
+
+import grpc
+
+from disco.draft_engine import DraftEngine
+from disco.models import LoadedModel
+from disco.sessions import SessionLimits
+from protos import convert
+from protos.disco.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+
+SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+
+
+class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+    """Thin translation layer over one draft engine."""
+
+    def __init__(self, engine: DraftEngine, loaded: LoadedModel, limits: SessionLimits) -> None:
+        self.engine = engine
+        self.loaded = loaded
+        self.limits = limits
+
+    def StartSession(self, request: draft_pb2.StartDraftSessionRequest,
+                     context: grpc.ServicerContext) -> common_pb2.StartSessionResponse:
+        result = self.engine.start_session(
+            request.session_id, list(request.prompt_ids), convert.sampling_from_pb(request.sampling),
+            request.policy, list(request.reference_ids) or None)
+        return convert.prefill_to_pb(result)
+
+    def Draft(self, request: draft_pb2.DraftRequest, context: grpc.ServicerContext) -> Iterator[draft_pb2.DraftEvent]:
+        started = time.perf_counter_ns()
+        feedback = convert.feedback_from_pb(request.feedback) if request.HasField("feedback") else None
+        # closing(): a cancelled stream closes the engine's block generator, which
+        # releases the session for the next Draft call.
+        with closing(self.engine.draft(request.session_id, feedback, request.max_lookahead)) as events:
+            for event in events:
+                yield convert.draft_event_to_pb(event, convert.elapsed_ns(started))
+
+    def EndSession(self, request: common_pb2.EndSessionRequest,
+                   context: grpc.ServicerContext) -> common_pb2.EndSessionResponse:
+        started = time.perf_counter_ns()
+        self.engine.end_session(request.session_id)
+        return common_pb2.EndSessionResponse(elapsed_ns=convert.elapsed_ns(started))
+
+    def Info(self, request: common_pb2.ServiceInfoRequest, context: grpc.ServicerContext) -> common_pb2.ServiceInfo:
+        return convert.service_info_pb("draft", self.loaded, self.engine.max_context,
+                                       self.engine.active_sessions(), self.limits, time.perf_counter_ns())

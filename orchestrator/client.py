@@ -1,0 +1,238 @@
+"""Python client of the public ``disco.v1.Orchestrator`` API.
+
+Example::
+
+    from orchestrator.client import DiscoClient
+
+    with DiscoClient("127.0.0.1:50051", timeout=60) as client:
+        result = client.generate("def fib(n):", policy="static:6", max_new_tokens=64)
+        print(result.text, result.stats["acceptance_rate"])
+
+        stream = client.stream("def fib(n):", max_new_tokens=64)
+        for chunk in stream:                # chunks arrive as tokens are accepted
+            print(chunk.text, end="")
+        print(stream.result.finish_reason)  # the final result, once the stream ended
+
+:class:`AsyncDiscoClient` offers the same methods on ``grpc.aio``. Every failed call
+raises :class:`DiscoRpcError`, a :class:`grpc.RpcError` with ``code()`` and ``details()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Iterator, Sequence
+
+import grpc
+
+from protos.stats import stats_from_pb
+from protos.disco.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class DiscoRpcError(grpc.RpcError):
+    """A failed call: ``code()`` is the :class:`grpc.StatusCode`, ``details()`` the message."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    @classmethod
+    def wrap(cls, error: grpc.RpcError) -> "DiscoRpcError":
+        return error if isinstance(error, cls) else cls(error.code(), error.details() or "")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens accepted in one iteration and their text delta."""
+
+    token_ids: list[int]
+    text: str
+    elapsed_ns: int  # server-side time since the request began
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A whole generation; ``stats`` has the keys of :meth:`disco.stats.RequestStats.to_dict`."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" or "length"
+    stats: dict
+    elapsed_ns: int  # server-side time of the request
+
+
+def build_request(prompt: str = "", *, prompt_ids: Sequence[int] | None = None, chat: bool = False,
+                  policy: str = "", max_lookahead: int | None = None, max_new_tokens: int | None = None,
+                  temperature: float = 0.0, top_p: float | None = None, top_k: int = 0, seed: int | None = None,
+                  stop: Sequence[str] = (), ignore_eos: bool = False) -> orchestrator_pb2.GenerateRequest:
+    """The ``GenerateRequest`` for these arguments (``None``/empty: the server default).
+
+    Raises:
+        DiscoRpcError: ``INVALID_ARGUMENT`` when a value does not fit its field.
+    """
+    try:
+        sampling = common_pb2.SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                             top_k=top_k, seed=seed, stop=list(stop), ignore_eos=ignore_eos)
+        return orchestrator_pb2.GenerateRequest(prompt=prompt, prompt_ids=list(prompt_ids or ()), chat=chat,
+                                                policy=policy, max_lookahead=max_lookahead, sampling=sampling)
+    except (TypeError, ValueError) as error:
+        raise DiscoRpcError(grpc.StatusCode.INVALID_ARGUMENT, f"invalid request: {error}") from None
+
+
+def completion_from_pb(message: orchestrator_pb2.GenerateResult) -> Completion:
+    return Completion(token_ids=list(message.token_ids), text=message.text, finish_reason=message.finish_reason,
+                      stats=stats_from_pb(message.stats).to_dict(), elapsed_ns=message.elapsed_ns)
+
+
+def info_to_dict(message: orchestrator_pb2.InfoResponse) -> dict:
+    """``Info`` as plain JSON-ready data (what ``disco info --json`` prints)."""
+    return {
+        "active_sessions": _fields(message.active_sessions),
+        "version": message.version,
+        "policies": [_fields(policy) for policy in message.policies],
+        "models": {role: _fields(getattr(message, role)) if message.HasField(role) else None
+                   for role in ("target", "draft")},
+        "addresses": {"target": message.target_address, "draft": message.draft_address},
+        "limits": _fields(message.limits),
+        "errors": list(message.errors),
+        "elapsed_ns": message.elapsed_ns,
+    }
+
+
+def _fields(message: Any) -> dict:
+    values = {field.name: getattr(message, field.name) for field in message.DESCRIPTOR.fields}
+    return {name: value if isinstance(value, (str, bytes, int, float, bool)) else list(value)
+            for name, value in values.items()}
+
+
+class GenerationStream:
+    """Iterate it for :class:`Chunk` objects; ``result`` holds the :class:`Completion`
+    once the stream ended. Leaving the loop early (or :meth:`cancel`) cancels the call,
+    which frees the request's sessions on the servers."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+        self.result: Completion | None = None
+
+    def __iter__(self) -> Iterator[Chunk]:
+        try:
+            for message in self._call:
+                if message.WhichOneof("event") == "chunk":
+                    yield Chunk(list(message.chunk.token_ids), message.chunk.text, message.chunk.elapsed_ns)
+                else:
+                    self.result = completion_from_pb(message.result)
+        except grpc.RpcError as error:
+            raise DiscoRpcError.wrap(error) from None
+        finally:
+            if self.result is None:
+                self._call.cancel()
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class DiscoClient:
+    """Blocking client. ``timeout``: deadline of each call in seconds (``None``: none)."""
+
+    def __init__(self, address: str, timeout: float | None = DEFAULT_TIMEOUT_S) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(address)
+        self._stub = orchestrator_pb2_grpc.OrchestratorStub(self._channel)
+
+    def generate(self, prompt: str = "", **request: Any) -> Completion:
+        """One completion, answered at once; ``request`` takes the arguments of :func:`build_request`."""
+        try:
+            return completion_from_pb(self._stub.GenerateUnary(build_request(prompt, **request), timeout=self.timeout))
+        except grpc.RpcError as error:
+            raise DiscoRpcError.wrap(error) from None
+
+    def stream(self, prompt: str = "", **request: Any) -> GenerationStream:
+        """One completion, streamed; ``request`` takes the arguments of :func:`build_request`."""
+        return GenerationStream(self._stub.Generate(build_request(prompt, **request), timeout=self.timeout))
+
+    def info(self) -> dict:
+        """Capabilities and load of the deployment (see :func:`info_to_dict`)."""
+        try:
+            return info_to_dict(self._stub.Info(orchestrator_pb2.InfoRequest(), timeout=self.timeout))
+        except grpc.RpcError as error:
+            raise DiscoRpcError.wrap(error) from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "DiscoClient":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+class AsyncGenerationStream:
+    """``async for`` it for :class:`Chunk` objects; ``result`` holds the :class:`Completion`
+    once the stream ended. Leaving the loop early (or :meth:`cancel`) cancels the call."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+        self.result: Completion | None = None
+
+    async def __aiter__(self) -> AsyncIterator[Chunk]:
+        try:
+            async for message in self._call:
+                if message.WhichOneof("event") == "chunk":
+                    yield Chunk(list(message.chunk.token_ids), message.chunk.text, message.chunk.elapsed_ns)
+                else:
+                    self.result = completion_from_pb(message.result)
+        except grpc.RpcError as error:
+            raise DiscoRpcError.wrap(error) from None
+        finally:
+            if self.result is None:
+                self._call.cancel()
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class AsyncDiscoClient:
+    """``grpc.aio`` client with the methods of :class:`DiscoClient`; create it inside the event loop."""
+
+    def __init__(self, address: str, timeout: float | None = DEFAULT_TIMEOUT_S) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = orchestrator_pb2_grpc.OrchestratorStub(self._channel)
+
+    async def generate(self, prompt: str = "", **request: Any) -> Completion:
+        try:
+            response = await self._stub.GenerateUnary(build_request(prompt, **request), timeout=self.timeout)
+        except grpc.RpcError as error:
+            raise DiscoRpcError.wrap(error) from None
+        return completion_from_pb(response)
+
+    def stream(self, prompt: str = "", **request: Any) -> AsyncGenerationStream:
+        return AsyncGenerationStream(self._stub.Generate(build_request(prompt, **request), timeout=self.timeout))
+
+    async def info(self) -> dict:
+        try:
+            return info_to_dict(await self._stub.Info(orchestrator_pb2.InfoRequest(), timeout=self.timeout))
+        except grpc.RpcError as error:
+            raise DiscoRpcError.wrap(error) from None
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncDiscoClient":
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.close()
+
+
+__all__ = ["AsyncDiscoClient", "Chunk", "Completion", "DiscoClient", "DiscoRpcError", "GenerationStream"]

@@ -1,0 +1,141 @@
+"""``disco target-server``, ``disco draft-server``, ``disco orchestrator`` (one service per
+process, as Kubernetes and Ray run them) and ``disco serve`` (all three locally).
+
+Every server prints one line when it listens (``--json``: ``{"service", "address",
+"model", "pid"}``), logs to stderr, and drains gracefully on SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+
+from disco.config import ModelConfig
+from disco.errors import DiscoError
+from disco.sessions import SessionLimits
+from orchestrator.commands.common import add_model_args, pair_config_from_args
+
+PORTS = {"orchestrator": 50051, "draft": 50052, "target": 50053}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    for role in ("target", "draft"):
+        parser = subparsers.add_parser(f"{role}-server", help=f"run the {role} service (one model) over gRPC")
+        parser.add_argument("--model", default=None,
+                            help=f"{role} model: HF folder, hub id or .gguf file (default: the default pair's)")
+        parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+        parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+        parser.add_argument("--max-sessions", type=int, default=SessionLimits.max_sessions,
+                            help=f"concurrent sessions (default {SessionLimits.max_sessions})")
+        parser.add_argument("--idle-ttl", type=float, default=SessionLimits.idle_ttl_s,
+                            help=f"seconds before an idle session is freed (default {SessionLimits.idle_ttl_s:.0f})")
+        _add_threads_arg(parser)
+        _add_listen_args(parser, PORTS[role])
+        parser.set_defaults(func=_run_backend, role=role)
+
+    parser = subparsers.add_parser("orchestrator", help="run the public orchestrator over a draft and a target service")
+    parser.add_argument("--target", required=True, metavar="HOST:PORT", help="address of the target service")
+    parser.add_argument("--draft", required=True, metavar="HOST:PORT", help="address of the draft service")
+    parser.add_argument("--model", default=None,
+                        help="the target model, for its tokenizer only (default: the default pair's target)")
+    parser.add_argument("--max-sessions", type=int, default=64, help="concurrent requests (default 64)")
+    parser.add_argument("--max-new-tokens-limit", type=int, default=4096,
+                        help="largest max_new_tokens a request may ask for (default 4096)")
+    _add_listen_args(parser, PORTS["orchestrator"])
+    parser.set_defaults(func=_run_orchestrator)
+
+    parser = subparsers.add_parser(
+        "serve", help="start target, draft and orchestrator locally (one process each) and print the address",
+        description="Starts the three services as child processes (default pair unless --target/--draft) "
+                    "and stops them all on Ctrl-C or SIGTERM.")
+    add_model_args(parser)
+    _add_threads_arg(parser)
+    _add_listen_args(parser, PORTS["orchestrator"])
+    parser.set_defaults(func=_run_serve)
+
+
+def _add_threads_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads per model process (default: torch's choice)")
+
+
+def _add_listen_args(parser: argparse.ArgumentParser, port: int) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=port, help=f"port to bind, 0 for any free one (default {port})")
+    parser.add_argument("--json", action="store_true", help="announce the bound address as one JSON line")
+
+
+def _run_backend(args: argparse.Namespace) -> int:
+    import draft_service.server  # noqa: PLC0415 - grpc and torch are imported only when used
+    import target_service.server  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+    from disco.models import disco_home, load_model  # noqa: PLC0415
+    from protos.runtime import serve_until_signal  # noqa: PLC0415
+
+    _configure_logging()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = ModelConfig(spec=args.model, dtype=args.dtype, device=args.device)
+    loaded = load_model(config, args.role, disco_home())
+    limits = SessionLimits(max_sessions=args.max_sessions, idle_ttl_s=args.idle_ttl)
+    module = draft_service.server if args.role == "draft" else target_service.server
+    running = module.serve(loaded, host=args.host, port=args.port, limits=limits)
+    _announce(args.role, running.address, loaded.name, args.json)
+    serve_until_signal([running])
+    return 0
+
+
+def _run_orchestrator(args: argparse.Namespace) -> int:
+    from disco.models import disco_home  # noqa: PLC0415
+    from orchestrator.server import load_tokenizer, serve  # noqa: PLC0415
+    from orchestrator.servicer import OrchestratorLimits  # noqa: PLC0415
+    from protos.runtime import serve_until_signal  # noqa: PLC0415
+
+    _configure_logging()
+    tokenizer = load_tokenizer(args.model, disco_home())
+    limits = OrchestratorLimits(max_new_tokens=args.max_new_tokens_limit, max_sessions=args.max_sessions)
+    running = serve(tokenizer, args.draft, args.target, host=args.host, port=args.port, limits=limits)
+    _announce("orchestrator", running.address, tokenizer.name_or_path, args.json)
+    serve_until_signal([running])
+    return 0
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from orchestrator.launcher import launch  # noqa: PLC0415
+
+    services = launch(pair_config_from_args(args), host=args.host, port=args.port, threads=args.threads)
+    try:
+        if args.json:
+            print(json.dumps({name: services.addresses[name] for name in ("orchestrator", "draft", "target")}),
+                  flush=True)
+        else:
+            print(f"disco serving on {services.addresses['orchestrator']} (draft {services.addresses['draft']}, "
+                  f"target {services.addresses['target']}); Ctrl-C stops all three", flush=True)
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        while not stop.wait(0.5):
+            if (dead := services.dead()) is not None:
+                raise DiscoError(f"the {dead} service exited with code {services.processes[dead].returncode}; "
+                                 "stopping the others")
+    finally:
+        services.stop()
+    return 0
+
+
+def _announce(service: str, address: str, model: str, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({"service": service, "address": address, "model": model, "pid": os.getpid()}), flush=True)
+    else:
+        print(f"{service} service ({model}) listening on {address}", flush=True)
+
+
+def _configure_logging() -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")

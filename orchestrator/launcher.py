@@ -1,0 +1,118 @@
+"""Start the three services locally as child processes (``disco serve``, ``disco bench-transport``).
+
+Each service runs in its own process, as Kubernetes or Ray would run it: the target and
+draft servers start in parallel on free ports, then the orchestrator is pointed at them.
+Every child announces its bound address as one JSON line on stdout (``--json``); its
+logs go to the parent's stderr.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from disco.config import ModelConfig, PairConfig
+from disco.errors import DiscoError
+
+#: Preparing the default pair on first use downloads and converts ~1.6 GB.
+STARTUP_TIMEOUT_S = 1800.0
+
+
+@dataclass
+class LocalServices:
+    """The running children; ``addresses`` maps service name to ``HOST:PORT``."""
+
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    addresses: dict[str, str] = field(default_factory=dict)
+
+    def dead(self) -> str | None:
+        """Name of a child that has exited, if any."""
+        return next((name for name, process in self.processes.items() if process.poll() is not None), None)
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM every child (graceful shutdown), then SIGKILL what is left after ``timeout_s``."""
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for process in self.processes.values():
+            try:
+                process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def launch(pair: PairConfig, host: str = "127.0.0.1", port: int = 0, threads: int | None = None,
+           startup_timeout_s: float = STARTUP_TIMEOUT_S) -> LocalServices:
+    """Start target, draft and orchestrator; returns once all three listen.
+
+    Args:
+        pair: the models (``spec=None``: the default pair, prepared on first use).
+        host: interface all three bind.
+        port: the orchestrator's port (0: a free one); the backends always take free ports.
+        threads: torch CPU threads of each model process (``None``: torch's default).
+        startup_timeout_s: how long model loading may take.
+
+    Raises:
+        DiscoError: a child exited or did not announce its address in time (all are stopped).
+    """
+    services = LocalServices()
+    try:
+        for role, config in (("target", pair.target), ("draft", pair.draft)):
+            threads_args = ["--threads", str(threads)] if threads else []
+            services.processes[role] = _spawn([f"{role}-server", *_model_args(config), *threads_args,
+                                               "--host", host, "--port", "0"])
+        for role in ("target", "draft"):
+            services.addresses[role] = _await_address(role, services.processes[role], startup_timeout_s)
+        tokenizer_args = ["--model", pair.target.spec] if pair.target.spec else []
+        services.processes["orchestrator"] = _spawn([
+            "orchestrator", "--target", services.addresses["target"], "--draft", services.addresses["draft"],
+            *tokenizer_args, "--host", host, "--port", str(port)])
+        services.addresses["orchestrator"] = _await_address("orchestrator", services.processes["orchestrator"],
+                                                            startup_timeout_s)
+    except BaseException:
+        services.stop()
+        raise
+    return services
+
+
+def _model_args(config: ModelConfig) -> list[str]:
+    return [*(["--model", config.spec] if config.spec else []), "--dtype", config.dtype, "--device", config.device]
+
+
+def _spawn(argv: list[str]) -> subprocess.Popen:
+    # NOTE: children do not get the terminal's Ctrl-C (start_new_session): the parent
+    # stops them with SIGTERM, and on Linux they get SIGTERM too if the parent dies.
+    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *argv, "--json"], stdout=subprocess.PIPE,
+                            stderr=None, text=True, env=os.environ.copy(), start_new_session=True,
+                            preexec_fn=_terminate_with_parent)
+
+
+def _terminate_with_parent() -> None:
+    """In the child, before exec: ask Linux for SIGTERM when the parent exits (PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: the parent's stop() is the only way
+        pass
+
+
+def _await_address(name: str, process: subprocess.Popen, timeout_s: float) -> str:
+    """Read the child's announcement line (``{"service": ..., "address": ...}``)."""
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: lines.put(process.stdout.readline()), daemon=True).start()
+    try:
+        line = lines.get(timeout=timeout_s)
+    except queue.Empty:
+        raise DiscoError(f"the {name} service did not start within {timeout_s:.0f} s") from None
+    if not line:
+        raise DiscoError(f"the {name} service exited with code {process.wait()} during startup (see its log above)")
+    return json.loads(line)["address"]

@@ -1,0 +1,161 @@
+"""``disco.v1.Orchestrator``: the public API.
+
+Per request: parse the message, tokenize, then run the one speculation loop
+(:class:`~disco.loop.SpeculativeGenerator`) with :class:`~orchestrator.remote.RemoteDrafter`
+and :class:`~orchestrator.remote.RemoteVerifier` bound to this call's deadline and
+cancellation, and translate its events back to messages. Domain errors become status
+codes in :class:`protos.runtime.ErrorInterceptor`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import grpc
+from transformers import PreTrainedTokenizerBase
+
+import disco
+from disco.config import DEFAULT_MAX_LOOKAHEAD, MAX_LOOKAHEAD_LIMIT, SamplingParams, SpeculationConfig
+from disco.errors import DiscoError, InvalidRequest, ResourceExhausted
+from disco.loop import GenerationEvent, GenerationResult, SpeculativeGenerator, TokenChunk
+from disco.pipeline import encode_prompt, make_decode
+from disco.policies import POLICY_INFOS, parse_policy_spec
+from orchestrator.backends import Backends
+from orchestrator.remote import DEFAULT_CALL_TIMEOUT_S, CallScope
+from protos import convert
+from protos.stats import stats_to_pb
+from protos.disco.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+
+SERVICE_NAME = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name
+DEFAULT_POLICY = SpeculationConfig().policy
+#: Policies that only make sense in process (they need the target's output up front).
+IN_PROCESS_ONLY = ("oracle",)
+_NO_DEADLINE_S = 1e8  # time_remaining() of a call without a deadline is effectively infinite
+INFO_TIMEOUT_S = 2.0  # Info answers even when a backend is black-holed
+
+
+@dataclass(frozen=True)
+class OrchestratorLimits:
+    max_new_tokens: int = 4096  # largest max_new_tokens a request may ask for
+    max_sessions: int = 64  # concurrent Generate calls; more get RESOURCE_EXHAUSTED
+    call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S  # cap on one backend call
+
+
+class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
+    """Runs each request through the speculation loop against the draft and target services."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, backends: Backends,
+                 limits: OrchestratorLimits = OrchestratorLimits()) -> None:
+        self.tokenizer = tokenizer
+        self.backends = backends
+        self.limits = limits
+        self._decode = make_decode(tokenizer)
+        self._tokenizer_lock = threading.Lock()  # NOTE: HF fast tokenizers are not safe to share across threads
+        self._active = 0
+        self._active_lock = threading.Lock()
+
+    @property
+    def active_sessions(self) -> int:
+        return self._active
+
+    def Generate(self, request: orchestrator_pb2.GenerateRequest,
+                 context: grpc.ServicerContext) -> Iterator[orchestrator_pb2.GenerateResponse]:
+        started = time.perf_counter_ns()
+        for event in self._generate(request, context):
+            if isinstance(event, TokenChunk):
+                chunk = orchestrator_pb2.GenerateChunk(token_ids=event.token_ids, text=event.text,
+                                                       elapsed_ns=convert.elapsed_ns(started))
+                yield orchestrator_pb2.GenerateResponse(chunk=chunk)
+            else:
+                yield orchestrator_pb2.GenerateResponse(result=_result_pb(event, started))
+
+    def GenerateUnary(self, request: orchestrator_pb2.GenerateRequest,
+                      context: grpc.ServicerContext) -> orchestrator_pb2.GenerateResult:
+        started = time.perf_counter_ns()
+        events = list(self._generate(request, context))
+        return _result_pb(events[-1], started)
+
+    def Info(self, request: orchestrator_pb2.InfoRequest,
+             context: grpc.ServicerContext) -> orchestrator_pb2.InfoResponse:
+        started = time.perf_counter_ns()
+        response = orchestrator_pb2.InfoResponse(
+            version=disco.__version__, draft_address=self.backends.draft_address,
+            target_address=self.backends.target_address,
+            policies=[orchestrator_pb2.PolicyInfo(name=p.name, syntax=p.syntax, description=p.description)
+                      for p in POLICY_INFOS if p.name not in IN_PROCESS_ONLY])
+        response.active_sessions.orchestrator = self._active
+        for role in ("draft", "target"):
+            try:
+                getattr(response, role).CopyFrom(self.backends.describe(role, timeout=INFO_TIMEOUT_S))
+                setattr(response.active_sessions, role, getattr(response, role).active_sessions)
+            except DiscoError as error:
+                setattr(response.active_sessions, role, -1)
+                response.errors.append(f"{role}: {error}")
+        response.limits.CopyFrom(orchestrator_pb2.Limits(
+            max_new_tokens=self.limits.max_new_tokens, max_lookahead=MAX_LOOKAHEAD_LIMIT,
+            max_sessions=self.limits.max_sessions, max_context=response.target.max_context))
+        response.elapsed_ns = convert.elapsed_ns(started)
+        return response
+
+    def _generate(self, request: orchestrator_pb2.GenerateRequest,
+                  context: grpc.ServicerContext) -> Iterator[GenerationEvent]:
+        """The loop's events for one request, run against both backends."""
+        prompt_ids, sampling, speculation = self._parse(request)
+        with self._admitted():
+            target = self.backends.target_info()
+            if parse_policy_spec(speculation.policy).uses_draft:
+                self.backends.check_draft()
+            remaining = context.time_remaining()
+            scope = CallScope(None if remaining is None or remaining > _NO_DEADLINE_S
+                              else time.monotonic() + remaining, self.limits.call_timeout_s)
+            context.add_callback(scope.cancel)  # client cancel or deadline: stop the backend calls
+            generator = SpeculativeGenerator(self.backends.drafter(scope), self.backends.verifier(scope),
+                                             self._locked_decode, target.eos_token_ids, self.limits.max_new_tokens)
+            yield from generator.stream(prompt_ids, sampling, speculation)
+
+    def _parse(self, request: orchestrator_pb2.GenerateRequest) -> tuple[list[int], SamplingParams, SpeculationConfig]:
+        speculation = SpeculationConfig(
+            policy=request.policy or DEFAULT_POLICY,
+            max_lookahead=request.max_lookahead if request.HasField("max_lookahead") else DEFAULT_MAX_LOOKAHEAD)
+        name = parse_policy_spec(speculation.policy).name
+        if name in IN_PROCESS_ONLY:
+            raise InvalidRequest(f"policy {name!r} is for analysis in process only (`disco generate` without "
+                                 "--server); it is not served over gRPC")
+        sampling = convert.sampling_from_pb(request.sampling)
+        # Validated here too (the loop does it again) so that a bad request is refused
+        # with INVALID_ARGUMENT even while a backend is down.
+        sampling.validate(self.limits.max_new_tokens)
+        speculation.validate()
+        if request.prompt_ids:
+            prompt_ids = list(request.prompt_ids)
+        else:
+            with self._tokenizer_lock:
+                prompt_ids = encode_prompt(self.tokenizer, request.prompt, request.chat)
+        return prompt_ids, sampling, speculation
+
+    def _locked_decode(self, token_ids: Sequence[int]) -> str:
+        with self._tokenizer_lock:
+            return self._decode(token_ids)
+
+    @contextmanager
+    def _admitted(self) -> Iterator[None]:
+        with self._active_lock:
+            if self._active >= self.limits.max_sessions:
+                raise ResourceExhausted(
+                    f"too many concurrent requests ({self.limits.max_sessions}); retry later")
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._active_lock:
+                self._active -= 1
+
+
+def _result_pb(result: GenerationResult, started_ns: int) -> orchestrator_pb2.GenerateResult:
+    return orchestrator_pb2.GenerateResult(
+        token_ids=result.token_ids, text=result.text, finish_reason=result.finish_reason,
+        stats=stats_to_pb(result.stats), elapsed_ns=convert.elapsed_ns(started_ns))

@@ -1,0 +1,153 @@
+"""Conversions between disco.v1 messages and the core's dataclasses and tensors.
+
+Servicers and clients only call these, so each message shape is translated in exactly
+one place (request statistics live in the torch-free :mod:`protos.stats`). Decoders of
+untrusted input raise :class:`~disco.errors.InvalidRequest` naming the offending field.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import numpy as np
+import torch
+
+import disco
+from disco.config import SamplingParams
+from disco.errors import InvalidRequest
+from disco.interfaces import DraftEvent, DraftSummary, DraftToken, Feedback, PrefillResult
+from disco.models import LoadedModel
+from disco.sessions import SessionLimits
+from protos.disco.v1 import common_pb2, draft_pb2
+
+#: Refuse distributions larger than any real vocabulary (protects the receiver's memory).
+MAX_VOCAB_SIZE = 1 << 22
+_DEFAULT_SAMPLING = SamplingParams()
+
+
+def elapsed_ns(started_ns: int) -> int:
+    """Nanoseconds since ``started_ns`` (a :func:`time.perf_counter_ns` reading)."""
+    return time.perf_counter_ns() - started_ns
+
+
+def sampling_to_pb(sampling: SamplingParams) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(
+        max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+        top_k=sampling.top_k, seed=sampling.seed, stop=list(sampling.stop), ignore_eos=sampling.ignore_eos)
+
+
+def sampling_from_pb(message: common_pb2.SamplingParams) -> SamplingParams:
+    """Absent optional fields take the core defaults; values are validated later, by the
+    engines and the loop, with messages naming the field."""
+    return SamplingParams(
+        max_new_tokens=message.max_new_tokens if message.HasField("max_new_tokens")
+        else _DEFAULT_SAMPLING.max_new_tokens,
+        temperature=message.temperature,
+        top_p=message.top_p if message.HasField("top_p") else _DEFAULT_SAMPLING.top_p,
+        top_k=message.top_k,
+        seed=message.seed if message.HasField("seed") else None,
+        stop=tuple(message.stop),
+        ignore_eos=message.ignore_eos,
+    )
+
+
+def distribution_to_pb(probs: torch.Tensor) -> common_pb2.Distribution:  # probs: [vocab]
+    """Encode exactly (float32), sparse when fewer than half the entries are nonzero."""
+    values = probs.detach().to("cpu", torch.float32).contiguous().numpy()
+    ids = np.flatnonzero(values)
+    if 2 * len(ids) < len(values):
+        sparse = common_pb2.SparseDistribution(ids_u32=ids.astype("<u4").tobytes(),
+                                               probs_f32=values[ids].astype("<f4").tobytes())
+        return common_pb2.Distribution(vocab_size=len(values), sparse=sparse)
+    return common_pb2.Distribution(vocab_size=len(values), dense_f32=values.astype("<f4").tobytes())
+
+
+def distribution_from_pb(message: common_pb2.Distribution, field: str = "draft_probs") -> torch.Tensor:
+    """Decode one distribution to a float32 tensor ``[vocab_size]``.
+
+    Raises:
+        InvalidRequest: malformed encoding, out-of-range ids, negative or non-finite values.
+    """
+    vocab = message.vocab_size
+    if not 0 < vocab <= MAX_VOCAB_SIZE:
+        raise InvalidRequest(f"{field}: vocab_size must be in [1, {MAX_VOCAB_SIZE}], got {vocab}")
+    encoding = message.WhichOneof("encoding")
+    if encoding == "dense_f32":
+        if len(message.dense_f32) != 4 * vocab:
+            raise InvalidRequest(f"{field}: dense_f32 has {len(message.dense_f32)} bytes, expected 4 * {vocab}")
+        values = np.frombuffer(message.dense_f32, dtype="<f4").astype(np.float32)
+    elif encoding == "sparse":
+        ids_bytes, probs_bytes = message.sparse.ids_u32, message.sparse.probs_f32
+        if len(ids_bytes) != len(probs_bytes) or len(ids_bytes) % 4:
+            raise InvalidRequest(f"{field}: sparse ids_u32 and probs_f32 must hold as many 4-byte values")
+        ids = np.frombuffer(ids_bytes, dtype="<u4")
+        if len(ids) and int(ids.max()) >= vocab:
+            raise InvalidRequest(f"{field}: sparse token id {int(ids.max())} is outside [0, {vocab})")
+        values = np.zeros(vocab, dtype=np.float32)
+        values[ids] = np.frombuffer(probs_bytes, dtype="<f4")
+    else:
+        raise InvalidRequest(f"{field}: no values (set dense_f32 or sparse)")
+    if not np.isfinite(values).all() or (values < 0).any():
+        raise InvalidRequest(f"{field}: probabilities must be finite and >= 0")
+    return torch.from_numpy(values)
+
+
+def distributions_from_pb(messages: Sequence[common_pb2.Distribution],
+                          device: torch.device | str = "cpu") -> torch.Tensor | None:
+    """Decode a block's distributions to ``[k, vocab]`` on ``device`` (``None`` if empty)."""
+    if not messages:
+        return None
+    rows = [distribution_from_pb(message, f"draft_probs[{i}]") for i, message in enumerate(messages)]
+    if len({row.shape[0] for row in rows}) != 1:
+        raise InvalidRequest("draft_probs: every distribution of a block must have the same vocab_size")
+    return torch.stack(rows).to(device)
+
+
+def feedback_to_pb(feedback: Feedback) -> common_pb2.Feedback:
+    return common_pb2.Feedback(num_accepted=feedback.num_accepted, bonus_token_id=feedback.bonus_token_id)
+
+
+def feedback_from_pb(message: common_pb2.Feedback) -> Feedback:
+    return Feedback(num_accepted=message.num_accepted, bonus_token_id=message.bonus_token_id)
+
+
+def prefill_to_pb(result: PrefillResult) -> common_pb2.StartSessionResponse:
+    return common_pb2.StartSessionResponse(prompt_tokens=result.prompt_tokens, elapsed_ns=result.elapsed_ns)
+
+
+def prefill_from_pb(message: common_pb2.StartSessionResponse) -> PrefillResult:
+    return PrefillResult(prompt_tokens=message.prompt_tokens, elapsed_ns=message.elapsed_ns)
+
+
+def draft_event_to_pb(event: DraftEvent, elapsed: int) -> draft_pb2.DraftEvent:
+    """``elapsed``: server-side ns since the Draft call began (tokens only)."""
+    if isinstance(event, DraftSummary):
+        return draft_pb2.DraftEvent(summary=draft_pb2.DraftSummary(
+            forwards=event.forwards, elapsed_ns=event.elapsed_ns, stop_reason=event.stop_reason))
+    token = draft_pb2.DraftToken(token_id=event.token_id, draft_prob=event.draft_prob, elapsed_ns=elapsed)
+    if event.draft_probs is not None:
+        token.draft_probs.CopyFrom(distribution_to_pb(event.draft_probs))
+    return draft_pb2.DraftEvent(token=token)
+
+
+def draft_event_from_pb(message: draft_pb2.DraftEvent) -> DraftEvent:
+    if message.WhichOneof("event") == "summary":
+        summary = message.summary
+        return DraftSummary(forwards=summary.forwards, elapsed_ns=summary.elapsed_ns,
+                            stop_reason=summary.stop_reason)
+    token = message.token
+    probs = distribution_from_pb(token.draft_probs) if token.HasField("draft_probs") else None
+    return DraftToken(token_id=token.token_id, draft_prob=token.draft_prob, draft_probs=probs)
+
+
+def service_info_pb(role: str, loaded: LoadedModel, max_context: int, active_sessions: int,
+                    limits: SessionLimits, started_ns: int) -> common_pb2.ServiceInfo:
+    """What a backend serves (its ``Info`` answer)."""
+    parameter = next(loaded.model.parameters())
+    return common_pb2.ServiceInfo(
+        role=role, model_name=loaded.name, fingerprint=loaded.fingerprint, tokenizer_hash=loaded.tokenizer_hash,
+        vocab_size=loaded.vocab_size, max_context=max_context, eos_token_ids=list(loaded.eos_token_ids),
+        dtype=str(parameter.dtype).removeprefix("torch."), device=str(parameter.device),
+        active_sessions=active_sessions, max_sessions=limits.max_sessions, idle_ttl_s=limits.idle_ttl_s,
+        version=disco.__version__, elapsed_ns=elapsed_ns(started_ns))

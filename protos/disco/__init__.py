@@ -1,0 +1,1 @@
+"""Protos of package ``disco``."""

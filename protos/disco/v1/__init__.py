@@ -1,0 +1,1 @@
+"""Generated modules of proto package ``disco.v1`` (do not edit; see :mod:`protos.generate`)."""

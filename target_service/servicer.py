@@ -1,0 +1,52 @@
+"""``disco.v1.TargetService``: validate → convert → :class:`TargetEngine` → convert back.
+
+Domain errors raised by the engine become status codes in
+:class:`protos.runtime.ErrorInterceptor`; nothing here catches them.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from disco.models import LoadedModel
+from disco.sessions import SessionLimits
+from disco.target_engine import TargetEngine
+from protos import convert
+from protos.disco.v1 import common_pb2, target_pb2, target_pb2_grpc
+
+SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+
+
+class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+    """Thin translation layer over one target engine."""
+
+    def __init__(self, engine: TargetEngine, loaded: LoadedModel, limits: SessionLimits) -> None:
+        self.engine = engine
+        self.loaded = loaded
+        self.limits = limits
+        self.device = next(loaded.model.parameters()).device
+
+    def StartSession(self, request: target_pb2.StartTargetSessionRequest,
+                     context: grpc.ServicerContext) -> common_pb2.StartSessionResponse:
+        result = self.engine.start_session(
+            request.session_id, list(request.prompt_ids), convert.sampling_from_pb(request.sampling))
+        return convert.prefill_to_pb(result)
+
+    def Verify(self, request: target_pb2.VerifyRequest, context: grpc.ServicerContext) -> target_pb2.VerifyResponse:
+        started = time.perf_counter_ns()
+        draft_probs = convert.distributions_from_pb(request.draft_probs, self.device)  # [k, vocab] or None
+        verdict = self.engine.verify(request.session_id, list(request.draft_token_ids), draft_probs)
+        return target_pb2.VerifyResponse(num_accepted=verdict.num_accepted, bonus_token_id=verdict.bonus_token_id,
+                                         forward_ns=verdict.forward_ns, elapsed_ns=convert.elapsed_ns(started))
+
+    def EndSession(self, request: common_pb2.EndSessionRequest,
+                   context: grpc.ServicerContext) -> common_pb2.EndSessionResponse:
+        started = time.perf_counter_ns()
+        self.engine.end_session(request.session_id)
+        return common_pb2.EndSessionResponse(elapsed_ns=convert.elapsed_ns(started))
+
+    def Info(self, request: common_pb2.ServiceInfoRequest, context: grpc.ServicerContext) -> common_pb2.ServiceInfo:
+        return convert.service_info_pb("target", self.loaded, self.engine.max_context,
+                                       self.engine.active_sessions(), self.limits, time.perf_counter_ns())
