@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/disco generate --policy static:6 --prompt 'def fib(n):' --max-new-tokens 64
+	$(BIN)/disco demo --policy static:6 --prompt 'def fib(n):' --max-new-tokens 64
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -84,14 +84,7 @@ class DraftEngine:
         session = self.sessions.get(session_id)
         if max_lookahead < 0:
             raise InvalidRequest(f"max_lookahead must be >= 0, got {max_lookahead}")
-        if not session.lock.acquire(blocking=False):
-            raise InvalidRequest(f"session {session_id!r} is already drafting")
-        try:
-            self._apply_feedback(session, feedback)
-        except BaseException:
-            session.lock.release()
-            raise
-        return self._draft_block(session, max_lookahead)
+        return self._draft_block(session, session_id, feedback, max_lookahead)
 
     def _apply_feedback(self, session: DraftSession, feedback: Feedback | None) -> None:
         """Roll back to the accepted prefix and append the bonus token."""
@@ -111,9 +104,15 @@ class DraftEngine:
         session.policy.on_feedback(session.block_size, feedback.num_accepted)
         session.awaiting_feedback = False
 
-    def _draft_block(self, session: DraftSession, max_lookahead: int) -> Iterator[DraftEvent]:
+    def _draft_block(self, session: DraftSession, session_id: str, feedback: Feedback | None,
+                     max_lookahead: int) -> Iterator[DraftEvent]:
+        """The drafting loop. The session lock is taken when iteration starts (so a
+        generator that is dropped unstarted holds nothing) and released when it ends."""
         started = time.perf_counter_ns()
+        if not session.lock.acquire(blocking=False):
+            raise InvalidRequest(f"session {session_id!r} is already drafting")
         try:
+            self._apply_feedback(session, feedback)
             sequence, policy = session.sequence, session.policy
             session.block_base, session.block_size, session.awaiting_feedback = len(sequence), 0, True
             room = self.max_context - len(sequence)
@@ -130,8 +129,8 @@ class DraftEngine:
                     stop_reason = "discarded"
                     break
                 sequence.tokens.append(token.token_id)
-                yield token
                 session.block_size += 1
+                yield token
                 if decision is Decision.STOP:
                     stop_reason = "policy"
                     break

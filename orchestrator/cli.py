@@ -16,6 +16,7 @@ from disco.errors import DiscoError  # noqa: E402
 
 # Subcommand modules, in the order ``disco --help`` lists them.
 COMMAND_MODULES = (
+    "orchestrator.commands.demo",
     "orchestrator.commands.generate",
     "orchestrator.commands.policies",
     "orchestrator.commands.models",
