@@ -10,6 +10,7 @@ the source of truth for the request.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import secrets
 import time
 import uuid
@@ -20,7 +21,7 @@ import torch
 
 from disco.config import SamplingParams, SpeculationConfig
 from disco.detokenize import Decode, IncrementalDetokenizer
-from disco.errors import InvalidRequest
+from disco.errors import InvalidRequest, SessionNotFound, Unavailable
 from disco.interfaces import DraftSummary, Drafter, Feedback, Verifier
 from disco.policies import parse_policy_spec
 from disco.stats import RequestStats
@@ -43,6 +44,8 @@ class GenerationResult:
 
 
 GenerationEvent = Union[TokenChunk, GenerationResult]
+
+logger = logging.getLogger(__name__)
 
 
 def derive_seeds(sampling: SamplingParams) -> tuple[SamplingParams, SamplingParams]:
@@ -122,9 +125,9 @@ class SpeculativeGenerator:
             sessions_started.append(self.verifier)
             if uses_draft:
                 assert self.drafter is not None
-                self.drafter.start_session(session_id, prompt_ids, draft_sampling, speculation.policy,
-                                           reference_ids)
                 sessions_started.append(self.drafter)
+                uses_draft = self._start_draft(session_id, prompt_ids, draft_sampling, speculation.policy,
+                                               reference_ids, stats)
             stats.prefill_s = time.perf_counter() - started
             feedback: Feedback | None = None
             while not finish_reason:
@@ -134,19 +137,37 @@ class SpeculativeGenerator:
                 draft_probs: list[torch.Tensor] = []
                 if uses_draft and lookahead_cap > 0:
                     draft_started = time.perf_counter()
-                    for event in self.drafter.draft(session_id, feedback, lookahead_cap):
-                        if isinstance(event, DraftSummary):
-                            stats.draft_forwards += event.forwards
-                        else:
-                            draft_ids.append(event.token_id)
-                            if event.draft_probs is not None:
-                                draft_probs.append(event.draft_probs)
+                    try:
+                        self._draft_block(session_id, feedback, lookahead_cap, draft_ids, draft_probs, stats)
+                    except SessionNotFound:
+                        # 2.1 The draft service lost the session (restart, expiry): re-prefill it
+                        # from the loop's token list, the source of truth, and draft again.
+                        logger.warning("draft session %s lost; re-prefilling %d tokens", session_id,
+                                       len(prompt_ids) + len(generated))
+                        draft_ids.clear(), draft_probs.clear()
+                        uses_draft = self._start_draft(session_id, prompt_ids + generated, draft_sampling,
+                                                       speculation.policy, None, stats)
+                        if uses_draft:
+                            self._draft_block(session_id, None, lookahead_cap, draft_ids, draft_probs, stats)
+                    except Unavailable as error:
+                        uses_draft = self._draft_failed(session_id, error, stats)
+                        draft_ids.clear(), draft_probs.clear()
                     feedback = None
                     stats.draft_s += time.perf_counter() - draft_started
                 # 3. Verify the whole block in one target forward.
                 verify_started = time.perf_counter()
-                verdict = self.verifier.verify(
-                    session_id, draft_ids, torch.stack(draft_probs) if draft_probs else None)
+                block_probs = torch.stack(draft_probs) if draft_probs else None
+                try:
+                    verdict = self.verifier.verify(session_id, draft_ids, block_probs)
+                except SessionNotFound:
+                    # 3.1 The target lost the session: re-prefill the committed tokens, verify again.
+                    logger.warning("target session %s lost; re-prefilling %d tokens", session_id,
+                                   len(prompt_ids) + len(generated))
+                    stats.target_reprefills += 1
+                    self.verifier.start_session(session_id, prompt_ids + generated,
+                                                dataclasses.replace(target_sampling, max_new_tokens=max(
+                                                    1, sampling.max_new_tokens - len(generated))))
+                    verdict = self.verifier.verify(session_id, draft_ids, block_probs)
                 stats.verify_s += time.perf_counter() - verify_started
                 stats.record_iteration(len(draft_ids), verdict.num_accepted)
                 feedback = Feedback(verdict.num_accepted, verdict.bonus_token_id)
@@ -177,3 +198,31 @@ class SpeculativeGenerator:
         stats.wall_s = time.perf_counter() - started
         yield GenerationResult(token_ids=generated, text=detokenizer.text, finish_reason=finish_reason,
                                stats=stats)
+
+    # -- draft side helpers: a failing draft service never fails the request ------------
+
+    def _start_draft(self, session_id: str, token_ids: list[int], sampling: SamplingParams, policy: str,
+                     reference_ids: list[int] | None, stats: RequestStats) -> bool:
+        """Start (or re-start) the draft session; False means: go on target-only."""
+        try:
+            self.drafter.start_session(session_id, token_ids, sampling, policy, reference_ids)
+            return True
+        except Unavailable as error:
+            return self._draft_failed(session_id, error, stats)
+
+    def _draft_block(self, session_id: str, feedback: Feedback | None, lookahead_cap: int,
+                     draft_ids: list[int], draft_probs: list[torch.Tensor], stats: RequestStats) -> None:
+        for event in self.drafter.draft(session_id, feedback, lookahead_cap):
+            if isinstance(event, DraftSummary):
+                stats.draft_forwards += event.forwards
+            else:
+                draft_ids.append(event.token_id)
+                if event.draft_probs is not None:
+                    draft_probs.append(event.draft_probs)
+
+    @staticmethod
+    def _draft_failed(session_id: str, error: Exception, stats: RequestStats) -> bool:
+        """NOTE: the output stays exact without the draft — the target decides every token."""
+        logger.warning("draft service unavailable for session %s (%s); continuing target-only", session_id, error)
+        stats.draft_fallbacks += 1
+        return False

@@ -28,6 +28,8 @@ class RequestStats:
     verify_s: float = 0.0
     wall_s: float = 0.0
     finish_reason: str = ""
+    draft_fallbacks: int = 0  # times the draft service failed and the request went on target-only
+    target_reprefills: int = 0  # times the target session was re-created from the loop's tokens
 
     @property
     def acceptance_rate(self) -> float:

@@ -1,0 +1,98 @@
+"""The loop's token list is the source of truth: lost sessions are re-prefilled and a
+failing draft service degrades the request to target-only — output stays exact."""
+
+from disco.config import SamplingParams, SpeculationConfig
+from disco.errors import Unavailable
+from tests.helpers import PROMPTS, local_generator
+
+SAMPLING = SamplingParams(max_new_tokens=40, ignore_eos=True)
+
+
+class FlakyDrafter:
+    """Wraps a real drafter; from the n-th draft call on, the service is 'down'."""
+
+    def __init__(self, drafter, fail_from_call):
+        self.inner, self.fail_from_call, self.calls = drafter, fail_from_call, 0
+
+    def start_session(self, *args, **kwargs):
+        if self.calls >= self.fail_from_call:
+            raise Unavailable("draft service down")
+        return self.inner.start_session(*args, **kwargs)
+
+    def draft(self, session_id, feedback, max_lookahead):
+        self.calls += 1
+        if self.calls >= self.fail_from_call:
+            raise Unavailable("draft service down")
+        return self.inner.draft(session_id, feedback, max_lookahead)
+
+    def end_session(self, session_id):
+        return self.inner.end_session(session_id)
+
+
+class SessionDroppingVerifier:
+    """Wraps a real verifier and forgets the session before the n-th verify (a restart)."""
+
+    def __init__(self, verifier, drop_before_call):
+        self.inner, self.drop_before_call, self.calls = verifier, drop_before_call, 0
+
+    def start_session(self, *args, **kwargs):
+        return self.inner.start_session(*args, **kwargs)
+
+    def verify(self, session_id, draft_ids, draft_probs):
+        self.calls += 1
+        if self.calls == self.drop_before_call:
+            self.inner.end_session(session_id)
+        return self.inner.verify(session_id, draft_ids, draft_probs)
+
+    def end_session(self, session_id):
+        return self.inner.end_session(session_id)
+
+
+def _reference(target_model, tokenizer, ids):
+    return local_generator(target_model, None, tokenizer).generate(ids, SAMPLING, SpeculationConfig("none")).token_ids
+
+
+def test_draft_down_mid_request_continues_target_only(target_model, drafts, tokenizer):
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    generator = local_generator(target_model, drafts["noisy"], tokenizer)
+    generator.drafter = FlakyDrafter(generator.drafter, fail_from_call=4)
+    result = generator.generate(ids, SAMPLING, SpeculationConfig("static:4"))
+    assert result.token_ids == _reference(target_model, tokenizer, ids)
+    assert result.stats.draft_fallbacks == 1
+    assert result.stats.lookaheads[:3] == [4, 4, 4] and set(result.stats.lookaheads[3:]) == {0}
+
+
+def test_draft_down_from_the_start(target_model, drafts, tokenizer):
+    ids = tokenizer(PROMPTS[1])["input_ids"]
+    generator = local_generator(target_model, drafts["noisy"], tokenizer)
+    generator.drafter = FlakyDrafter(generator.drafter, fail_from_call=0)
+    result = generator.generate(ids, SAMPLING, SpeculationConfig("static:4"))
+    assert result.token_ids == _reference(target_model, tokenizer, ids)
+    assert result.stats.draft_fallbacks == 1 and result.stats.draft_tokens == 0
+
+
+def test_lost_draft_session_is_reprefilled(target_model, drafts, tokenizer):
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    generator = local_generator(target_model, drafts["noisy"], tokenizer)
+    real_draft = generator.drafter.draft
+    calls = []
+
+    def draft_forgetting_once(session_id, feedback, max_lookahead):
+        calls.append(session_id)
+        if len(calls) == 3:
+            generator.drafter.end_session(session_id)  # the draft service restarted
+        return real_draft(session_id, feedback, max_lookahead)
+
+    generator.drafter.draft = draft_forgetting_once
+    result = generator.generate(ids, SAMPLING, SpeculationConfig("static:3"))
+    assert result.token_ids == _reference(target_model, tokenizer, ids)
+    assert result.stats.draft_fallbacks == 0 and min(result.stats.lookaheads[:-1]) == 3
+
+
+def test_lost_target_session_is_reprefilled(target_model, drafts, tokenizer):
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    generator = local_generator(target_model, drafts["noisy"], tokenizer)
+    generator.verifier = SessionDroppingVerifier(generator.verifier, drop_before_call=5)
+    result = generator.generate(ids, SAMPLING, SpeculationConfig("static:3"))
+    assert result.token_ids == _reference(target_model, tokenizer, ids)
+    assert result.stats.target_reprefills == 1
