@@ -64,7 +64,12 @@ class DraftEngine:
         if len(prompt_ids) >= self.max_context:
             raise InvalidRequest(
                 f"prompt has {len(prompt_ids)} tokens, the draft model's context is {self.max_context}")
+        vocab_size = int(self.model.config.vocab_size)
+        for name, ids in (("prompt", prompt_ids), ("reference", reference_ids or ())):
+            if any(not 0 <= token < vocab_size for token in ids):
+                raise InvalidRequest(f"{name} token ids must be in [0, {vocab_size})")
         sampling.validate()
+        self.sessions.check_capacity()  # before paying for a prefill
         policy = self.policy_factory.build(policy_spec, reference_ids)
         session = DraftSession(
             sequence=CachedSequence(self.model, prompt_ids),

@@ -51,13 +51,16 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, chat: bool) -
     return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
 
 
-def default_learned_loader() -> LearnedPolicyLoader | None:
-    """The DISCO artifact loader, if the trained-policy module is available."""
+def default_learned_loader(draft: LoadedModel | None = None) -> LearnedPolicyLoader | None:
+    """The DISCO artifact loader, if the trained-policy module is available. Bound to
+    ``draft`` (when given), it refuses artifacts trained for another draft model."""
     try:
-        from disco.policies.learned import load_learned_policy  # noqa: PLC0415
+        from disco.policies.learned import make_learned_loader  # noqa: PLC0415
     except ImportError:
         return None
-    return load_learned_policy
+    if draft is None:
+        return make_learned_loader()
+    return make_learned_loader(draft.fingerprint, draft.tokenizer_hash)
 
 
 def build_local_pipeline(pair: PairConfig, home: Path, need_draft: bool = True,
@@ -68,7 +71,7 @@ def build_local_pipeline(pair: PairConfig, home: Path, need_draft: bool = True,
     if need_draft:
         draft = load_model(pair.draft, "draft", home)
         check_same_vocabulary(target, draft)
-    drafter = DraftEngine(draft.model, PolicyFactory(default_learned_loader())) if draft else None
+    drafter = DraftEngine(draft.model, PolicyFactory(default_learned_loader(draft))) if draft else None
     generator = SpeculativeGenerator(
         drafter=drafter,
         verifier=TargetEngine(target.model),

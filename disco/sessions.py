@@ -39,6 +39,15 @@ class SessionStore(Generic[SessionT]):
                     f"too many active sessions ({self._limits.max_sessions}); retry later")
             self._sessions[session_id] = (session, self._clock())
 
+    def check_capacity(self) -> None:
+        """Raise :class:`ResourceExhausted` now if :meth:`add` would (cheap pre-check
+        before expensive work; :meth:`add` checks again)."""
+        with self._lock:
+            self._expire_locked()
+            if len(self._sessions) >= self._limits.max_sessions:
+                raise ResourceExhausted(
+                    f"too many active sessions ({self._limits.max_sessions}); retry later")
+
     def get(self, session_id: str) -> SessionT:
         with self._lock:
             self._expire_locked()

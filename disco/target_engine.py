@@ -50,6 +50,7 @@ class TargetEngine:
                 f"exceeds the target model's context of {self.max_context} tokens")
         if any(not 0 <= token < self.vocab_size for token in prompt_ids):
             raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})")
+        self.sessions.check_capacity()  # before paying for a prefill
         session = TargetSession(
             sequence=CachedSequence(self.model, prompt_ids),
             sampling=sampling,
@@ -87,7 +88,11 @@ class TargetEngine:
             base = len(sequence)
             sequence.tokens.extend(draft_token_ids)
             forward_started = time.perf_counter_ns()
-            target_logits, _ = self.batcher.forward(sequence, num_draft + 1)  # [k + 1, vocab]
+            try:
+                target_logits, _ = self.batcher.forward(sequence, num_draft + 1)  # [k + 1, vocab]
+            except BaseException:
+                sequence.truncate(base)  # a failed forward leaves the session as it was
+                raise
             forward_ns = time.perf_counter_ns() - forward_started
             if session.sampling.is_greedy:
                 num_accepted, bonus = greedy_accept(draft_token_ids, target_logits)

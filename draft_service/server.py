@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import os
+from typing import Sequence
+
 from disco.draft_engine import DraftEngine
 from disco.models import LoadedModel
 from disco.pipeline import default_learned_loader
 from disco.policies import PolicyFactory
 from disco.sessions import SessionLimits
+from draft_service.artifacts import restricted_loader
 from draft_service.servicer import SERVICE_NAME, DraftServicer
 from protos.disco.v1 import draft_pb2_grpc
+from protos.metrics import ServerMetrics
 from protos.runtime import RunningServer, start_server
+from protos.security import TlsFiles
 
 
 def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0, limits: SessionLimits = SessionLimits(),
-          policy_factory: PolicyFactory | None = None) -> RunningServer:
+          policy_factory: PolicyFactory | None = None, artifact_dirs: Sequence[str | os.PathLike] = (),
+          max_prompt_tokens: int | None = None, tls: TlsFiles | None = None,
+          metrics_port: int | None = None) -> RunningServer:
     """Start serving ``loaded`` as the draft model; returns at once (the server runs in threads).
 
     Args:
@@ -22,13 +30,24 @@ def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0, limits
         port: port to bind; 0 picks a free one (read ``RunningServer.port``).
         limits: session limits of the engine.
         policy_factory: builds per-session stop policies; the default resolves ``disco:`` specs
-            as the in-process pipeline does.
+            as the in-process pipeline does (refusing artifacts trained for another draft),
+            limited to ``disco:default`` and the artifacts in ``artifact_dirs``.
+        artifact_dirs: folders whose DISCO artifacts requests may name (see
+            :mod:`draft_service.artifacts`: a request must not make the service open any file).
+        max_prompt_tokens: longest ``StartSession`` prompt (re-prefills included); ``None``: the
+            model's context is the only limit.
+        tls: serve TLS; with ``tls.ca`` clients must present a certificate it signed (mTLS).
+        metrics_port: serve Prometheus ``/metrics`` on ``host:metrics_port`` (0: a free port).
 
     Raises:
         DiscoError: the address cannot be bound.
     """
-    engine = DraftEngine(loaded.model, policy_factory or PolicyFactory(default_learned_loader()), limits)
-    servicer = DraftServicer(engine, loaded, limits)
+    policy_factory = policy_factory or PolicyFactory(restricted_loader(default_learned_loader(loaded), artifact_dirs))
+    engine = DraftEngine(loaded.model, policy_factory, limits)
+    metrics = ServerMetrics("draft", loaded.name)
+    metrics.track_batches(lambda: engine.batcher.batch_sizes)
+    servicer = DraftServicer(engine, loaded, limits, max_prompt_tokens, metrics)
     # One thread per in-flight call: every session may be drafting at once, plus Info calls.
     return start_server([(draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer, SERVICE_NAME)],
-                        host, port, max_workers=limits.max_sessions + 8)
+                        host, port, max_workers=limits.max_sessions + 8, tls=tls, metrics=metrics,
+                        metrics_port=metrics_port)

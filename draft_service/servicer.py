@@ -17,6 +17,7 @@ from disco.models import LoadedModel
 from disco.sessions import SessionLimits
 from protos import convert
 from protos.disco.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from protos.metrics import ServerMetrics
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
@@ -24,16 +25,24 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     """Thin translation layer over one draft engine."""
 
-    def __init__(self, engine: DraftEngine, loaded: LoadedModel, limits: SessionLimits) -> None:
+    def __init__(self, engine: DraftEngine, loaded: LoadedModel, limits: SessionLimits,
+                 max_prompt_tokens: int | None = None, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
         self.loaded = loaded
         self.limits = limits
+        self.max_prompt_tokens = max_prompt_tokens  # applies to re-prefills too (prompt + tokens so far)
+        self.metrics = metrics or ServerMetrics("draft", loaded.name)
+        self.metrics.track_sessions(engine.active_sessions, limits.max_sessions)
 
     def StartSession(self, request: draft_pb2.StartDraftSessionRequest,
                      context: grpc.ServicerContext) -> common_pb2.StartSessionResponse:
+        convert.check_prompt_length(len(request.prompt_ids), self.max_prompt_tokens, "the draft service")
+        convert.check_token_ids(request.prompt_ids, self.loaded.vocab_size, "prompt_ids")
+        convert.check_token_ids(request.reference_ids, self.loaded.vocab_size, "reference_ids")
         result = self.engine.start_session(
             request.session_id, list(request.prompt_ids), convert.sampling_from_pb(request.sampling),
             request.policy, list(request.reference_ids) or None)
+        self.metrics.prompt_tokens.inc(result.prompt_tokens)
         return convert.prefill_to_pb(result)
 
     def Draft(self, request: draft_pb2.DraftRequest, context: grpc.ServicerContext) -> Iterator[draft_pb2.DraftEvent]:

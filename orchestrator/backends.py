@@ -1,6 +1,7 @@
-"""The orchestrator's view of its two backends: one channel each (shared by all
-requests), what they serve (fetched once, then cached), and the checks that a draft,
-a target and the orchestrator's tokenizer belong together."""
+"""The orchestrator's view of its backends: the replicas of the draft and target
+services (:class:`~orchestrator.routing.ReplicaSet`, one channel per replica, shared by
+all requests), what they serve (fetched once, then cached), and the checks that a
+draft, a target and the orchestrator's tokenizer belong together."""
 
 from __future__ import annotations
 
@@ -9,53 +10,71 @@ import threading
 import grpc
 
 from disco.errors import ModelError, VocabularyMismatch
-from orchestrator.remote import CallScope, RemoteDrafter, RemoteVerifier
+from orchestrator.failover import FailoverDrafter, FailoverVerifier, SessionTrack
+from orchestrator.remote import CallScope
+from orchestrator.routing import ReplicaSet
 from protos.disco.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
-from protos.runtime import CHANNEL_OPTIONS, error_from_rpc
+from protos.runtime import error_from_rpc
+from protos.security import TlsFiles
 
 DESCRIBE_TIMEOUT_S = 5.0
 
 
 class Backends:
-    """Channels to the draft and target services.
+    """The draft and target replicas.
 
     Args:
-        draft_address: ``HOST:PORT`` of the draft service.
-        target_address: ``HOST:PORT`` of the target service.
+        draft: ``HOST:PORT`` of the draft service (several comma-separated: replicas),
+            or a :class:`ReplicaSet` (e.g. discovered through Ray).
+        target: the same for the target service.
         tokenizer_hash: hash of the orchestrator's tokenizer (:func:`disco.models.tokenizer_hash`);
-            both services must serve models with this tokenizer.
+            every service must serve a model with this tokenizer.
+        tls: TLS towards the backends: ``ca`` verifies them, ``cert``/``key`` is the
+            orchestrator's client identity (mTLS); ``None``: plaintext.
     """
 
-    def __init__(self, draft_address: str, target_address: str, tokenizer_hash: str) -> None:
-        self.draft_address = draft_address
-        self.target_address = target_address
+    def __init__(self, draft: str | ReplicaSet, target: str | ReplicaSet, tokenizer_hash: str,
+                 tls: TlsFiles | None = None) -> None:
+        self.draft = draft if isinstance(draft, ReplicaSet) else ReplicaSet.static("draft", draft)
+        self.target = target if isinstance(target, ReplicaSet) else ReplicaSet.static("target", target)
+        if tls is not None:
+            self.draft.tls = self.target.tls = tls
         self.tokenizer_hash = tokenizer_hash
-        self.draft_channel = grpc.insecure_channel(draft_address, options=CHANNEL_OPTIONS)
-        self.target_channel = grpc.insecure_channel(target_address, options=CHANNEL_OPTIONS)
-        self._draft_stub = draft_pb2_grpc.DraftServiceStub(self.draft_channel)
-        self._target_stub = target_pb2_grpc.TargetServiceStub(self.target_channel)
         self._target_info: common_pb2.ServiceInfo | None = None
         self._draft_checked = False
         self._lock = threading.Lock()
 
-    def drafter(self, scope: CallScope) -> RemoteDrafter:
-        return RemoteDrafter(self.draft_channel, self.draft_address, scope)
+    @property
+    def draft_address(self) -> str:
+        return ",".join(self.draft.addresses())
 
-    def verifier(self, scope: CallScope) -> RemoteVerifier:
-        return RemoteVerifier(self.target_channel, self.target_address, scope)
+    @property
+    def target_address(self) -> str:
+        return ",".join(self.target.addresses())
+
+    def session(self, scope: CallScope) -> tuple[FailoverDrafter, FailoverVerifier]:
+        """A drafter and a verifier for one request, sharing what it has committed (so
+        either can re-create its session on another replica)."""
+        track = SessionTrack()
+        return FailoverDrafter(self.draft, scope, track), FailoverVerifier(self.target, scope, track)
+
+    def routing(self) -> dict[str, list[dict]]:
+        """Per-replica routing state of both roles."""
+        return {"draft": self.draft.snapshot(), "target": self.target.snapshot()}
 
     def describe(self, role: str, timeout: float = DESCRIBE_TIMEOUT_S) -> common_pb2.ServiceInfo:
-        """The ``Info`` of the ``"draft"`` or ``"target"`` service.
+        """The ``Info`` of a healthy replica of the ``"draft"`` or ``"target"`` service.
 
         Raises:
-            Unavailable: the service cannot be reached.
+            Unavailable: no replica can be reached.
         """
-        stub = self._draft_stub if role == "draft" else self._target_stub
-        address = self.draft_address if role == "draft" else self.target_address
+        replica = (self.draft if role == "draft" else self.target).peek()
+        stub = (draft_pb2_grpc.DraftServiceStub if role == "draft" else target_pb2_grpc.TargetServiceStub)(
+            replica.channel)
         try:
             return stub.Info(common_pb2.ServiceInfoRequest(), timeout=timeout)
         except grpc.RpcError as error:
-            raise error_from_rpc(error, f"{role} service at {address}") from None
+            raise error_from_rpc(error, f"{role} service at {replica.address}") from None
 
     def target_info(self) -> common_pb2.ServiceInfo:
         """The target's ``Info`` (cached after the first success); its EOS ids are authoritative.
@@ -92,5 +111,5 @@ class Backends:
             self._draft_checked = True
 
     def close(self) -> None:
-        self.draft_channel.close()
-        self.target_channel.close()
+        self.draft.close()
+        self.target.close()

@@ -20,7 +20,11 @@ COMMAND_MODULES = (
     "orchestrator.commands.generate",
     "orchestrator.commands.policies",
     "orchestrator.commands.models",
+    "orchestrator.commands.disco_cmds",
+    "orchestrator.commands.bench",
+    "orchestrator.commands.bench_concurrency",
     "orchestrator.commands.serve", "orchestrator.commands.info", "orchestrator.commands.bench_transport",
+    "orchestrator.commands.ray_cmds",
 )
 
 

@@ -13,6 +13,11 @@ Example::
             print(chunk.text, end="")
         print(stream.result.finish_reason)  # the final result, once the stream ended
 
+    # TLS (verify the server with ca.pem; present a client certificate if it asks for one)
+    # and a bearer token (default: $DISCO_AUTH_TOKEN):
+    DiscoClient("orchestrator.example:50051", tls_ca="ca.pem", tls_cert="me.pem", tls_key="me.key",
+                auth_token="...")
+
 :class:`AsyncDiscoClient` offers the same methods on ``grpc.aio``. Every failed call
 raises :class:`DiscoRpcError`, a :class:`grpc.RpcError` with ``code()`` and ``details()``.
 """
@@ -24,8 +29,9 @@ from typing import Any, AsyncIterator, Iterator, Sequence
 
 import grpc
 
-from protos.stats import stats_from_pb
 from protos.disco.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from protos.security import TlsFiles, aio_channel, auth_metadata, auth_token_from_env, secure_channel
+from protos.stats import stats_from_pb
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -138,30 +144,54 @@ class GenerationStream:
         self._call.cancel()
 
 
-class DiscoClient:
-    """Blocking client. ``timeout``: deadline of each call in seconds (``None``: none)."""
+def client_tls(tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+               tls_server_name: str | None = None) -> TlsFiles | None:
+    """TLS settings of a client (``None``: plaintext). ``tls_ca`` verifies the server (the
+    system roots when only a client certificate is given); ``tls_cert``/``tls_key`` is a
+    client certificate for servers that require one; ``tls_server_name`` overrides the
+    name checked against the server's certificate."""
+    if tls_server_name and not (tls_ca or tls_cert):
+        return TlsFiles(server_name=tls_server_name)
+    return TlsFiles.from_paths(tls_cert, tls_key, tls_ca, tls_server_name)
 
-    def __init__(self, address: str, timeout: float | None = DEFAULT_TIMEOUT_S) -> None:
+
+class DiscoClient:
+    """Blocking client.
+
+    Args:
+        address: ``HOST:PORT`` of the orchestrator.
+        timeout: deadline of each call in seconds (``None``: none).
+        tls_ca, tls_cert, tls_key, tls_server_name: TLS, see :func:`client_tls` (plaintext without).
+        auth_token: sent as ``authorization: Bearer <token>``; default ``$DISCO_AUTH_TOKEN``.
+    """
+
+    def __init__(self, address: str, timeout: float | None = DEFAULT_TIMEOUT_S, *, tls_ca: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None, tls_server_name: str | None = None,
+                 auth_token: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(address)
+        self._channel = secure_channel(address, client_tls(tls_ca, tls_cert, tls_key, tls_server_name))
         self._stub = orchestrator_pb2_grpc.OrchestratorStub(self._channel)
+        self._metadata = auth_metadata(auth_token_from_env(auth_token))
 
     def generate(self, prompt: str = "", **request: Any) -> Completion:
         """One completion, answered at once; ``request`` takes the arguments of :func:`build_request`."""
         try:
-            return completion_from_pb(self._stub.GenerateUnary(build_request(prompt, **request), timeout=self.timeout))
+            return completion_from_pb(self._stub.GenerateUnary(build_request(prompt, **request), timeout=self.timeout,
+                                                               metadata=self._metadata))
         except grpc.RpcError as error:
             raise DiscoRpcError.wrap(error) from None
 
     def stream(self, prompt: str = "", **request: Any) -> GenerationStream:
         """One completion, streamed; ``request`` takes the arguments of :func:`build_request`."""
-        return GenerationStream(self._stub.Generate(build_request(prompt, **request), timeout=self.timeout))
+        return GenerationStream(self._stub.Generate(build_request(prompt, **request), timeout=self.timeout,
+                                                    metadata=self._metadata))
 
     def info(self) -> dict:
         """Capabilities and load of the deployment (see :func:`info_to_dict`)."""
         try:
-            return info_to_dict(self._stub.Info(orchestrator_pb2.InfoRequest(), timeout=self.timeout))
+            return info_to_dict(self._stub.Info(orchestrator_pb2.InfoRequest(), timeout=self.timeout,
+                                                metadata=self._metadata))
         except grpc.RpcError as error:
             raise DiscoRpcError.wrap(error) from None
 
@@ -201,27 +231,34 @@ class AsyncGenerationStream:
 
 
 class AsyncDiscoClient:
-    """``grpc.aio`` client with the methods of :class:`DiscoClient`; create it inside the event loop."""
+    """``grpc.aio`` client with the methods and arguments of :class:`DiscoClient`; create
+    it inside the event loop."""
 
-    def __init__(self, address: str, timeout: float | None = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, address: str, timeout: float | None = DEFAULT_TIMEOUT_S, *, tls_ca: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None, tls_server_name: str | None = None,
+                 auth_token: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = aio_channel(address, client_tls(tls_ca, tls_cert, tls_key, tls_server_name))
         self._stub = orchestrator_pb2_grpc.OrchestratorStub(self._channel)
+        self._metadata = auth_metadata(auth_token_from_env(auth_token))
 
     async def generate(self, prompt: str = "", **request: Any) -> Completion:
         try:
-            response = await self._stub.GenerateUnary(build_request(prompt, **request), timeout=self.timeout)
+            response = await self._stub.GenerateUnary(build_request(prompt, **request), timeout=self.timeout,
+                                                      metadata=self._metadata)
         except grpc.RpcError as error:
             raise DiscoRpcError.wrap(error) from None
         return completion_from_pb(response)
 
     def stream(self, prompt: str = "", **request: Any) -> AsyncGenerationStream:
-        return AsyncGenerationStream(self._stub.Generate(build_request(prompt, **request), timeout=self.timeout))
+        return AsyncGenerationStream(self._stub.Generate(build_request(prompt, **request), timeout=self.timeout,
+                                                         metadata=self._metadata))
 
     async def info(self) -> dict:
         try:
-            return info_to_dict(await self._stub.Info(orchestrator_pb2.InfoRequest(), timeout=self.timeout))
+            return info_to_dict(await self._stub.Info(orchestrator_pb2.InfoRequest(), timeout=self.timeout,
+                                                      metadata=self._metadata))
         except grpc.RpcError as error:
             raise DiscoRpcError.wrap(error) from None
 

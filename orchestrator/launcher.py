@@ -21,17 +21,61 @@ from dataclasses import dataclass, field
 
 from disco.config import ModelConfig, PairConfig
 from disco.errors import DiscoError
+from protos.security import AUTH_TOKEN_ENV
 
 #: Preparing the default pair on first use downloads and converts ~1.6 GB.
 STARTUP_TIMEOUT_S = 1800.0
 
 
+@dataclass(frozen=True)
+class ServiceOptions:
+    """Security and operations flags passed on to the children (docs/operations.md).
+
+    ``metrics_port``: the orchestrator's ``/metrics`` port; the draft gets the next port
+    and the target the one after (0: each a free port; ``None``: no ``/metrics``). The
+    auth token reaches the orchestrator through its environment, never its command line.
+    """
+
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    tls_server_name: str | None = None
+    auth_token: str | None = None
+    metrics_port: int | None = None
+    max_prompt_tokens: int = 0
+    log_format: str = "text"
+    artifact_dirs: tuple[str, ...] = ()  # the draft's --artifact-dir folders (default: its own)
+
+    def args(self, role: str) -> list[str]:
+        argv = [flag for flag, value in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key),
+                                         ("--tls-ca", self.tls_ca)) if value for flag in (flag, str(value))]
+        if role == "orchestrator" and self.tls_server_name:
+            argv += ["--tls-server-name", self.tls_server_name]
+        if self.metrics_port is not None:
+            offset = {"orchestrator": 0, "draft": 1, "target": 2}[role] if self.metrics_port else 0
+            argv += ["--metrics-port", str(self.metrics_port + offset)]
+        if self.max_prompt_tokens and role == "orchestrator":
+            argv += ["--max-prompt-tokens", str(self.max_prompt_tokens)]
+        if role == "draft":
+            argv += [arg for folder in self.artifact_dirs for arg in ("--artifact-dir", str(folder))]
+        return argv + ["--log-format", self.log_format]
+
+    def env(self, role: str) -> dict[str, str]:
+        env = os.environ.copy()
+        env.pop(AUTH_TOKEN_ENV, None)  # only the orchestrator checks a token
+        if role == "orchestrator" and self.auth_token:
+            env[AUTH_TOKEN_ENV] = self.auth_token
+        return env
+
+
 @dataclass
 class LocalServices:
-    """The running children; ``addresses`` maps service name to ``HOST:PORT``."""
+    """The running children; ``addresses`` maps service name to ``HOST:PORT`` and
+    ``metrics`` to its ``/metrics`` address (when served)."""
 
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     addresses: dict[str, str] = field(default_factory=dict)
+    metrics: dict[str, str] = field(default_factory=dict)
 
     def dead(self) -> str | None:
         """Name of a child that has exited, if any."""
@@ -52,7 +96,7 @@ class LocalServices:
 
 
 def launch(pair: PairConfig, host: str = "127.0.0.1", port: int = 0, threads: int | None = None,
-           startup_timeout_s: float = STARTUP_TIMEOUT_S) -> LocalServices:
+           startup_timeout_s: float = STARTUP_TIMEOUT_S, options: ServiceOptions = ServiceOptions()) -> LocalServices:
     """Start target, draft and orchestrator; returns once all three listen.
 
     Args:
@@ -61,6 +105,7 @@ def launch(pair: PairConfig, host: str = "127.0.0.1", port: int = 0, threads: in
         port: the orchestrator's port (0: a free one); the backends always take free ports.
         threads: torch CPU threads of each model process (``None``: torch's default).
         startup_timeout_s: how long model loading may take.
+        options: TLS, token, metrics and log flags of the children.
 
     Raises:
         DiscoError: a child exited or did not announce its address in time (all are stopped).
@@ -70,15 +115,17 @@ def launch(pair: PairConfig, host: str = "127.0.0.1", port: int = 0, threads: in
         for role, config in (("target", pair.target), ("draft", pair.draft)):
             threads_args = ["--threads", str(threads)] if threads else []
             services.processes[role] = _spawn([f"{role}-server", *_model_args(config), *threads_args,
-                                               "--host", host, "--port", "0"])
+                                               "--host", host, "--port", "0", *options.args(role)],
+                                              options.env(role))
         for role in ("target", "draft"):
-            services.addresses[role] = _await_address(role, services.processes[role], startup_timeout_s)
+            _record(services, role, _await_announcement(role, services.processes[role], startup_timeout_s))
         tokenizer_args = ["--model", pair.target.spec] if pair.target.spec else []
         services.processes["orchestrator"] = _spawn([
             "orchestrator", "--target", services.addresses["target"], "--draft", services.addresses["draft"],
-            *tokenizer_args, "--host", host, "--port", str(port)])
-        services.addresses["orchestrator"] = _await_address("orchestrator", services.processes["orchestrator"],
-                                                            startup_timeout_s)
+            *tokenizer_args, "--host", host, "--port", str(port), *options.args("orchestrator")],
+            options.env("orchestrator"))
+        _record(services, "orchestrator", _await_announcement("orchestrator", services.processes["orchestrator"],
+                                                              startup_timeout_s))
     except BaseException:
         services.stop()
         raise
@@ -89,12 +136,18 @@ def _model_args(config: ModelConfig) -> list[str]:
     return [*(["--model", config.spec] if config.spec else []), "--dtype", config.dtype, "--device", config.device]
 
 
-def _spawn(argv: list[str]) -> subprocess.Popen:
+def _spawn(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
     # NOTE: children do not get the terminal's Ctrl-C (start_new_session): the parent
     # stops them with SIGTERM, and on Linux they get SIGTERM too if the parent dies.
     return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *argv, "--json"], stdout=subprocess.PIPE,
-                            stderr=None, text=True, env=os.environ.copy(), start_new_session=True,
-                            preexec_fn=_terminate_with_parent)
+                            stderr=None, text=True, env=env if env is not None else os.environ.copy(),
+                            start_new_session=True, preexec_fn=_terminate_with_parent)
+
+
+def _record(services: LocalServices, name: str, announcement: dict) -> None:
+    services.addresses[name] = announcement["address"]
+    if announcement.get("metrics"):
+        services.metrics[name] = announcement["metrics"]
 
 
 def _terminate_with_parent() -> None:
@@ -105,8 +158,8 @@ def _terminate_with_parent() -> None:
         pass
 
 
-def _await_address(name: str, process: subprocess.Popen, timeout_s: float) -> str:
-    """Read the child's announcement line (``{"service": ..., "address": ...}``)."""
+def _await_announcement(name: str, process: subprocess.Popen, timeout_s: float) -> dict:
+    """Read the child's announcement line (``{"service": ..., "address": ..., "metrics": ...}``)."""
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: lines.put(process.stdout.readline()), daemon=True).start()
     try:
@@ -115,4 +168,4 @@ def _await_address(name: str, process: subprocess.Popen, timeout_s: float) -> st
         raise DiscoError(f"the {name} service did not start within {timeout_s:.0f} s") from None
     if not line:
         raise DiscoError(f"the {name} service exited with code {process.wait()} during startup (see its log above)")
-    return json.loads(line)["address"]
+    return json.loads(line)

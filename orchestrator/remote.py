@@ -22,6 +22,7 @@ from disco.config import SamplingParams
 from disco.interfaces import DraftEvent, Feedback, PrefillResult, VerifyResult
 from protos import convert
 from protos.disco.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from protos.logs import set_log_fields
 from protos.runtime import Cancelled, error_from_rpc
 
 #: Longest a backend call may take when the request has no deadline.
@@ -144,6 +145,7 @@ class RemoteVerifier:
         self._scope = scope or CallScope()
 
     def start_session(self, session_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> PrefillResult:
+        set_log_fields(session_id=session_id)  # this request's log lines carry its session id
         request = target_pb2.StartTargetSessionRequest(
             session_id=session_id, prompt_ids=list(prompt_ids), sampling=convert.sampling_to_pb(sampling))
         response = self._scope.call(lambda timeout: self._stub.StartSession(request, timeout=timeout),

@@ -13,9 +13,16 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from disco.errors import ModelError
 from disco.models import tokenizer_hash
 from orchestrator.backends import Backends
+from orchestrator.metrics import OrchestratorMetrics
+from orchestrator.routing import ReplicaSet
 from orchestrator.servicer import SERVICE_NAME, OrchestratorLimits, OrchestratorServicer
 from protos.disco.v1 import orchestrator_pb2_grpc
 from protos.runtime import RunningServer, start_server
+from protos.security import BearerTokenInterceptor, TlsFiles
+
+#: Largest public request accepted (gRPC's default is 4 MiB; a backend's is far larger
+#: since draft distributions travel between services).
+PUBLIC_MAX_RECEIVE_BYTES = 8 * 1024 * 1024
 
 
 def load_tokenizer(spec: str | None, home: Path) -> PreTrainedTokenizerBase:
@@ -42,8 +49,10 @@ def load_tokenizer(spec: str | None, home: Path) -> PreTrainedTokenizerBase:
                          f"from {location}: {reason}") from error
 
 
-def serve(tokenizer: PreTrainedTokenizerBase, draft_address: str, target_address: str, *,
-          host: str = "127.0.0.1", port: int = 0, limits: OrchestratorLimits = OrchestratorLimits()) -> RunningServer:
+def serve(tokenizer: PreTrainedTokenizerBase, draft_address: str | ReplicaSet, target_address: str | ReplicaSet, *,
+          host: str = "127.0.0.1", port: int = 0, limits: OrchestratorLimits = OrchestratorLimits(),
+          tls: TlsFiles | None = None, require_client_cert: bool = False, auth_token: str | None = None,
+          metrics_port: int | None = None) -> RunningServer:
     """Start the public ``disco.v1.Orchestrator`` service; returns at once.
 
     The backends need not be up yet: each request reaches them when it runs (and gets
@@ -51,17 +60,28 @@ def serve(tokenizer: PreTrainedTokenizerBase, draft_address: str, target_address
 
     Args:
         tokenizer: the target model's tokenizer.
-        draft_address: ``HOST:PORT`` of the draft service.
-        target_address: ``HOST:PORT`` of the target service.
+        draft_address: ``HOST:PORT`` of the draft service (comma-separated for several
+            replicas), or a :class:`~orchestrator.routing.ReplicaSet` (e.g. discovered through Ray).
+        target_address: the same for the target service.
         host: interface to bind.
         port: port to bind; 0 picks a free one (read ``RunningServer.port``).
         limits: request limits.
+        tls: ``cert``/``key``: serve the public API over TLS and present them to the
+            backends (mTLS client identity); ``ca``: verify the backends with it.
+        require_client_cert: also require public clients to present a certificate signed by ``tls.ca``.
+        auth_token: require ``authorization: Bearer <auth_token>`` on the public API (health exempt).
+        metrics_port: serve Prometheus ``/metrics`` on ``host:metrics_port`` (0: a free port).
 
     Raises:
         DiscoError: the address cannot be bound.
     """
-    backends = Backends(draft_address, target_address, tokenizer_hash(tokenizer))
-    servicer = OrchestratorServicer(tokenizer, backends, limits)
+    backends = Backends(draft_address, target_address, tokenizer_hash(tokenizer), tls=tls)
+    metrics = OrchestratorMetrics(tokenizer.name_or_path)
+    servicer = OrchestratorServicer(tokenizer, backends, limits, metrics)
+    serving_tls = tls if tls is not None and tls.cert is not None else None
     # Each streaming request holds a thread for its duration; Info calls get spare ones.
     return start_server([(orchestrator_pb2_grpc.add_OrchestratorServicer_to_server, servicer, SERVICE_NAME)],
-                        host, port, max_workers=limits.max_sessions + 8)
+                        host, port, max_workers=limits.max_sessions + 8, tls=serving_tls,
+                        require_client_cert=require_client_cert, metrics=metrics, metrics_port=metrics_port,
+                        interceptors=[BearerTokenInterceptor(auth_token)] if auth_token else [],
+                        max_receive_bytes=PUBLIC_MAX_RECEIVE_BYTES)

@@ -25,6 +25,8 @@ from disco.loop import GenerationEvent, GenerationResult, SpeculativeGenerator, 
 from disco.pipeline import encode_prompt, make_decode
 from disco.policies import POLICY_INFOS, parse_policy_spec
 from orchestrator.backends import Backends
+from orchestrator.degrade import DegradingDrafter, UnreachableDrafter, draft_check
+from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.remote import DEFAULT_CALL_TIMEOUT_S, CallScope
 from protos import convert
 from protos.stats import stats_to_pb
@@ -43,16 +45,19 @@ class OrchestratorLimits:
     max_new_tokens: int = 4096  # largest max_new_tokens a request may ask for
     max_sessions: int = 64  # concurrent Generate calls; more get RESOURCE_EXHAUSTED
     call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S  # cap on one backend call
+    max_prompt_tokens: int = 0  # longest prompt in tokens; 0: the target's context is the only limit
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     """Runs each request through the speculation loop against the draft and target services."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, backends: Backends,
-                 limits: OrchestratorLimits = OrchestratorLimits()) -> None:
+                 limits: OrchestratorLimits = OrchestratorLimits(), metrics: OrchestratorMetrics | None = None) -> None:
         self.tokenizer = tokenizer
         self.backends = backends
         self.limits = limits
+        self.metrics = metrics or OrchestratorMetrics(tokenizer.name_or_path)
+        self.metrics.track_sessions(lambda: self._active, limits.max_sessions)
         self._decode = make_decode(tokenizer)
         self._tokenizer_lock = threading.Lock()  # NOTE: HF fast tokenizers are not safe to share across threads
         self._active = 0
@@ -97,7 +102,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 response.errors.append(f"{role}: {error}")
         response.limits.CopyFrom(orchestrator_pb2.Limits(
             max_new_tokens=self.limits.max_new_tokens, max_lookahead=MAX_LOOKAHEAD_LIMIT,
-            max_sessions=self.limits.max_sessions, max_context=response.target.max_context))
+            max_sessions=self.limits.max_sessions, max_context=response.target.max_context,
+            max_prompt_tokens=self.limits.max_prompt_tokens))
         response.elapsed_ns = convert.elapsed_ns(started)
         return response
 
@@ -107,15 +113,16 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         prompt_ids, sampling, speculation = self._parse(request)
         with self._admitted():
             target = self.backends.target_info()
-            if parse_policy_spec(speculation.policy).uses_draft:
-                self.backends.check_draft()
+            draft_down = draft_check(self.backends, speculation.policy)  # down: serve target-only
             remaining = context.time_remaining()
             scope = CallScope(None if remaining is None or remaining > _NO_DEADLINE_S
                               else time.monotonic() + remaining, self.limits.call_timeout_s)
             context.add_callback(scope.cancel)  # client cancel or deadline: stop the backend calls
-            generator = SpeculativeGenerator(self.backends.drafter(scope), self.backends.verifier(scope),
-                                             self._locked_decode, target.eos_token_ids, self.limits.max_new_tokens)
-            yield from generator.stream(prompt_ids, sampling, speculation)
+            drafter, verifier = self.backends.session(scope)  # sticky replicas, re-prefilled on failure
+            drafter = UnreachableDrafter(draft_down) if draft_down else DegradingDrafter(drafter)
+            generator = SpeculativeGenerator(drafter, verifier, self._locked_decode, target.eos_token_ids,
+                                             self.limits.max_new_tokens)
+            yield from self.metrics.observe(generator.stream(prompt_ids, sampling, speculation))
 
     def _parse(self, request: orchestrator_pb2.GenerateRequest) -> tuple[list[int], SamplingParams, SpeculationConfig]:
         speculation = SpeculationConfig(
@@ -135,6 +142,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         else:
             with self._tokenizer_lock:
                 prompt_ids = encode_prompt(self.tokenizer, request.prompt, request.chat)
+        convert.check_prompt_length(len(prompt_ids), self.limits.max_prompt_tokens)
         return prompt_ids, sampling, speculation
 
     def _locked_decode(self, token_ids: Sequence[int]) -> str:

@@ -26,6 +26,27 @@ MAX_VOCAB_SIZE = 1 << 22
 _DEFAULT_SAMPLING = SamplingParams()
 
 
+def check_prompt_length(num_tokens: int, max_prompt_tokens: int | None, where: str = "") -> None:
+    """Refuse a prompt longer than ``max_prompt_tokens`` (``None`` or 0: no limit).
+
+    Raises:
+        InvalidRequest: naming the limit and the flag that sets it.
+    """
+    if max_prompt_tokens and num_tokens > max_prompt_tokens:
+        raise InvalidRequest(f"prompt has {num_tokens} tokens, more than the limit of {max_prompt_tokens}"
+                             f"{' of ' + where if where else ''} (--max-prompt-tokens)")
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, field: str) -> None:
+    """Refuse token ids outside the model's vocabulary ``[0, vocab_size)``.
+
+    Raises:
+        InvalidRequest: naming ``field``.
+    """
+    if any(not 0 <= token < vocab_size for token in token_ids):
+        raise InvalidRequest(f"{field}: token ids must be in [0, {vocab_size})")
+
+
 def elapsed_ns(started_ns: int) -> int:
     """Nanoseconds since ``started_ns`` (a :func:`time.perf_counter_ns` reading)."""
     return time.perf_counter_ns() - started_ns

@@ -6,12 +6,15 @@ from disco.models import LoadedModel
 from disco.sessions import SessionLimits
 from disco.target_engine import TargetEngine
 from protos.disco.v1 import target_pb2_grpc
+from protos.metrics import ServerMetrics
 from protos.runtime import RunningServer, start_server
+from protos.security import TlsFiles
 from target_service.servicer import SERVICE_NAME, TargetServicer
 
 
-def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0,
-          limits: SessionLimits = SessionLimits()) -> RunningServer:
+def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0, limits: SessionLimits = SessionLimits(),
+          max_prompt_tokens: int | None = None, tls: TlsFiles | None = None,
+          metrics_port: int | None = None) -> RunningServer:
     """Start serving ``loaded`` as the target model; returns at once (the server runs in threads).
 
     Args:
@@ -19,11 +22,18 @@ def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0,
         host: interface to bind (127.0.0.1 unless the deployment says otherwise).
         port: port to bind; 0 picks a free one (read ``RunningServer.port``).
         limits: session limits of the engine.
+        max_prompt_tokens: longest ``StartSession`` prompt (re-prefills included); ``None``: the
+            model's context is the only limit.
+        tls: serve TLS; with ``tls.ca`` clients must present a certificate it signed (mTLS).
+        metrics_port: serve Prometheus ``/metrics`` on ``host:metrics_port`` (0: a free port).
 
     Raises:
         DiscoError: the address cannot be bound.
     """
     engine = TargetEngine(loaded.model, limits)
-    servicer = TargetServicer(engine, loaded, limits)
+    metrics = ServerMetrics("target", loaded.name)
+    metrics.track_batches(lambda: engine.batcher.batch_sizes)
+    servicer = TargetServicer(engine, loaded, limits, max_prompt_tokens, metrics)
     return start_server([(target_pb2_grpc.add_TargetServiceServicer_to_server, servicer, SERVICE_NAME)],
-                        host, port, max_workers=limits.max_sessions + 8)
+                        host, port, max_workers=limits.max_sessions + 8, tls=tls, metrics=metrics,
+                        metrics_port=metrics_port)

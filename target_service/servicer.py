@@ -10,11 +10,13 @@ import time
 
 import grpc
 
+from disco.errors import InvalidRequest
 from disco.models import LoadedModel
 from disco.sessions import SessionLimits
 from disco.target_engine import TargetEngine
 from protos import convert
 from protos.disco.v1 import common_pb2, target_pb2, target_pb2_grpc
+from protos.metrics import ServerMetrics
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
@@ -22,21 +24,30 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     """Thin translation layer over one target engine."""
 
-    def __init__(self, engine: TargetEngine, loaded: LoadedModel, limits: SessionLimits) -> None:
+    def __init__(self, engine: TargetEngine, loaded: LoadedModel, limits: SessionLimits,
+                 max_prompt_tokens: int | None = None, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
         self.loaded = loaded
         self.limits = limits
+        self.max_prompt_tokens = max_prompt_tokens  # applies to re-prefills too (prompt + tokens so far)
+        self.metrics = metrics or ServerMetrics("target", loaded.name)
+        self.metrics.track_sessions(engine.active_sessions, limits.max_sessions)
         self.device = next(loaded.model.parameters()).device
 
     def StartSession(self, request: target_pb2.StartTargetSessionRequest,
                      context: grpc.ServicerContext) -> common_pb2.StartSessionResponse:
+        convert.check_prompt_length(len(request.prompt_ids), self.max_prompt_tokens, "the target service")
         result = self.engine.start_session(
             request.session_id, list(request.prompt_ids), convert.sampling_from_pb(request.sampling))
+        self.metrics.prompt_tokens.inc(result.prompt_tokens)
         return convert.prefill_to_pb(result)
 
     def Verify(self, request: target_pb2.VerifyRequest, context: grpc.ServicerContext) -> target_pb2.VerifyResponse:
         started = time.perf_counter_ns()
         draft_probs = convert.distributions_from_pb(request.draft_probs, self.device)  # [k, vocab] or None
+        if draft_probs is not None and any(token >= draft_probs.shape[-1] for token in request.draft_token_ids):
+            raise InvalidRequest(f"draft_token_ids: every id must be < the vocab_size of draft_probs "
+                                 f"({draft_probs.shape[-1]})")
         verdict = self.engine.verify(request.session_id, list(request.draft_token_ids), draft_probs)
         return target_pb2.VerifyResponse(num_accepted=verdict.num_accepted, bonus_token_id=verdict.bonus_token_id,
                                          forward_ns=verdict.forward_ns, elapsed_ns=convert.elapsed_ns(started))

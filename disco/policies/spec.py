@@ -39,7 +39,9 @@ POLICY_INFOS: tuple[PolicyInfo, ...] = (
                "confidence threshold re-fitted online by ROC (cost fpr + 3*fnr), as HF does"),
     PolicyInfo("entropy", "entropy[:lambda=L,gamma=G,adapt=E,target=A]",
                "AdaEDL-style: stop after a token with 1 - sqrt(gamma*entropy) < lambda"),
-    PolicyInfo("disco", "disco:PATH|default", "trained DISCO classifier: stop when P(accept) < tuned threshold"),
+    PolicyInfo("disco", "disco:PATH|default",
+               "trained DISCO classifier: stop when P(accept) < tuned threshold; disco:default is the shipped "
+               "artifact for the default pair (trained on the HumanEval train split)"),
     PolicyInfo("oracle", "oracle", "analysis only: drafts exactly the tokens the target will accept (greedy)"),
 )
 

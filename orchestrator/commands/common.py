@@ -27,3 +27,56 @@ def pair_config_from_args(args: argparse.Namespace) -> PairConfig:
     pair.target.validate()
     pair.draft.validate()
     return pair
+
+
+def add_server_security_args(parser: argparse.ArgumentParser, orchestrator: bool = False) -> None:
+    """``--tls-cert/--tls-key/--tls-ca`` of a server (and the orchestrator's extra flags)."""
+    group = parser.add_argument_group("security")
+    group.add_argument("--tls-cert", default=None, metavar="PEM",
+                       help="serve TLS with this certificate chain" + (
+                           "; also the client certificate presented to the backends (mTLS)" if orchestrator else ""))
+    group.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
+    group.add_argument("--tls-ca", default=None, metavar="PEM",
+                       help="CA that verifies the backends' certificates (connect to them over TLS)" if orchestrator
+                       else "require client certificates signed by this CA (mutual TLS)")
+    if orchestrator:
+        group.add_argument("--tls-server-name", default=None, metavar="NAME",
+                           help="name the backends' certificates carry, when it differs from their address's host")
+        group.add_argument("--tls-require-client-cert", action="store_true",
+                           help="also require public clients to present a certificate signed by --tls-ca")
+        group.add_argument("--auth-token", default=None, metavar="TOKEN",
+                           help="require `authorization: Bearer TOKEN` on the public API (health checks exempt); "
+                                "default $DISCO_AUTH_TOKEN; prefer the variable: a flag shows in `ps`")
+
+
+def add_client_security_args(parser: argparse.ArgumentParser) -> None:
+    """TLS and token flags of a client of the public API."""
+    group = parser.add_argument_group("connection security (with --server)")
+    group.add_argument("--tls-ca", default=None, metavar="PEM",
+                       help="connect over TLS, verifying the server with this CA")
+    group.add_argument("--tls-cert", default=None, metavar="PEM",
+                       help="client certificate, for servers that require one (with --tls-key)")
+    group.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
+    group.add_argument("--tls-server-name", default=None, metavar="NAME",
+                       help="name to check the server certificate against (default: the host of --server)")
+    group.add_argument("--auth-token", default=None, metavar="TOKEN",
+                       help="bearer token of the server (default $DISCO_AUTH_TOKEN)")
+
+
+def client_from_args(args: argparse.Namespace, timeout: float | None):
+    """A :class:`~orchestrator.client.DiscoClient` for ``--server`` with the security flags."""
+    from orchestrator.client import DiscoClient  # noqa: PLC0415 - grpc only when used
+
+    return DiscoClient(args.server, timeout=timeout, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+                       tls_key=args.tls_key, tls_server_name=args.tls_server_name, auth_token=args.auth_token)
+
+
+def add_operations_args(parser: argparse.ArgumentParser) -> None:
+    """``--max-prompt-tokens``, ``--metrics-port`` and ``--log-format`` of a server."""
+    parser.add_argument("--max-prompt-tokens", type=int, default=0,
+                        help="longest prompt in tokens, else INVALID_ARGUMENT (default 0: only the model's "
+                             "context limits it)")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus /metrics on this port of --host (0: any free port; default: off)")
+    parser.add_argument("--log-format", default="text", choices=["text", "json"],
+                        help="stderr log lines as text with key=value fields, or one JSON object each")

@@ -9,7 +9,12 @@ import sys
 from disco.config import DEFAULT_MAX_LOOKAHEAD, SamplingParams, SpeculationConfig
 from disco.loop import GenerationResult, TokenChunk
 from disco.policies import parse_policy_spec
-from orchestrator.commands.common import add_model_args, pair_config_from_args
+from orchestrator.commands.common import (
+    add_client_security_args,
+    add_model_args,
+    client_from_args,
+    pair_config_from_args,
+)
 
 DEFAULT_POLICY = "static:6"
 
@@ -50,6 +55,7 @@ def register(subparsers) -> None:
                         help="send the request to a running orchestrator instead of loading models here")
     add_request_args(parser)
     add_model_args(parser)
+    add_client_security_args(parser)
     parser.set_defaults(func=run)
 
 
@@ -89,14 +95,14 @@ def run(args: argparse.Namespace) -> int:
 def _run_remote(args: argparse.Namespace, sampling: SamplingParams, speculation: SpeculationConfig) -> int:
     import grpc  # noqa: PLC0415
 
-    from orchestrator.client import DiscoClient  # noqa: PLC0415
+    from orchestrator.client import DEFAULT_TIMEOUT_S  # noqa: PLC0415
 
     request = dict(policy=speculation.policy, max_new_tokens=sampling.max_new_tokens,
                    max_lookahead=speculation.max_lookahead, temperature=sampling.temperature,
                    top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed, stop=list(sampling.stop),
                    ignore_eos=sampling.ignore_eos, chat=args.chat)
     try:
-        client = DiscoClient(args.server)
+        client = client_from_args(args, timeout=DEFAULT_TIMEOUT_S)
         if args.json:
             result = client.generate(args.prompt, **request)
             print(result_json(list(result.token_ids), result.text, result.stats, result.finish_reason))

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from orchestrator.commands.common import add_client_security_args, client_from_args
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("info", help="show the models, policies, limits and active sessions of a server")
@@ -13,14 +15,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the answer (default 10)")
     parser.add_argument("--json", action="store_true",
                         help='print one JSON object {"active_sessions": {"orchestrator", "draft", "target"}, ...}')
+    add_client_security_args(parser)
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from orchestrator.client import DiscoClient, DiscoRpcError  # noqa: PLC0415 - grpc only when used
+    from orchestrator.client import DiscoRpcError  # noqa: PLC0415 - grpc only when used
 
     try:
-        with DiscoClient(args.server, timeout=args.timeout) as client:
+        with client_from_args(args, args.timeout) as client:
             info = client.info()
     except DiscoRpcError as error:
         print(f"{error.code().name}: {error.details()}", file=sys.stderr)

@@ -2,7 +2,9 @@
 process, as Kubernetes and Ray run them) and ``disco serve`` (all three locally).
 
 Every server prints one line when it listens (``--json``: ``{"service", "address",
-"model", "pid"}``), logs to stderr, and drains gracefully on SIGTERM/SIGINT.
+"model", "pid", "metrics"}``, ``metrics`` being the ``/metrics`` address or null), logs
+to stderr (``--log-format json``: one JSON object per line), and drains gracefully on
+SIGTERM/SIGINT. Security and operations flags are described in docs/operations.md.
 """
 
 from __future__ import annotations
@@ -18,7 +20,12 @@ import threading
 from disco.config import ModelConfig
 from disco.errors import DiscoError
 from disco.sessions import SessionLimits
-from orchestrator.commands.common import add_model_args, pair_config_from_args
+from orchestrator.commands.common import (
+    add_model_args,
+    add_operations_args,
+    add_server_security_args,
+    pair_config_from_args,
+)
 
 PORTS = {"orchestrator": 50051, "draft": 50052, "target": 50053}
 
@@ -36,6 +43,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             help=f"seconds before an idle session is freed (default {SessionLimits.idle_ttl_s:.0f})")
         _add_threads_arg(parser)
         _add_listen_args(parser, PORTS[role])
+        add_operations_args(parser)
+        add_server_security_args(parser)
+        if role == "draft":
+            _add_artifact_dir_arg(parser)
         parser.set_defaults(func=_run_backend, role=role)
 
     parser = subparsers.add_parser("orchestrator", help="run the public orchestrator over a draft and a target service")
@@ -47,6 +58,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-new-tokens-limit", type=int, default=4096,
                         help="largest max_new_tokens a request may ask for (default 4096)")
     _add_listen_args(parser, PORTS["orchestrator"])
+    add_operations_args(parser)
+    add_server_security_args(parser, orchestrator=True)
     parser.set_defaults(func=_run_orchestrator)
 
     parser = subparsers.add_parser(
@@ -56,7 +69,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_model_args(parser)
     _add_threads_arg(parser)
     _add_listen_args(parser, PORTS["orchestrator"])
+    add_operations_args(parser)
+    _add_artifact_dir_arg(parser)
     parser.set_defaults(func=_run_serve)
+    group = parser.add_argument_group("security (every child gets the same files)")
+    group.add_argument("--tls-cert", default=None, metavar="PEM",
+                       help="certificate of all three services (the orchestrator's client identity too)")
+    group.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
+    group.add_argument("--tls-ca", default=None, metavar="PEM",
+                       help="CA of the deployment: backends require client certificates it signed (mTLS), "
+                            "the orchestrator verifies the backends with it")
+    group.add_argument("--tls-server-name", default=None, metavar="NAME",
+                       help="name in the certificate when it does not cover --host")
+    group.add_argument("--auth-token", default=None, metavar="TOKEN",
+                       help="bearer token of the public API (default $DISCO_AUTH_TOKEN)")
+
+
+def _add_artifact_dir_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--artifact-dir", action="append", default=None, metavar="DIR",
+                        help="folder of DISCO artifacts that `disco:NAME` policies may name (repeatable; default "
+                             "$DISCO_HOME/artifacts); a request can never make the draft open any other file")
 
 
 def _add_threads_arg(parser: argparse.ArgumentParser) -> None:
@@ -76,16 +108,26 @@ def _run_backend(args: argparse.Namespace) -> int:
     import torch  # noqa: PLC0415
     from disco.models import disco_home, load_model  # noqa: PLC0415
     from protos.runtime import serve_until_signal  # noqa: PLC0415
+    from protos.security import TlsFiles  # noqa: PLC0415
 
-    _configure_logging()
+    _configure_logging(args.log_format)
+    tls = TlsFiles.from_paths(args.tls_cert, args.tls_key, args.tls_ca)  # checked before the model loads
+    if tls is not None and tls.cert is None:
+        raise DiscoError("--tls-ca on a backend needs --tls-cert and --tls-key (its own certificate)")
     if args.threads:
         torch.set_num_threads(args.threads)
     config = ModelConfig(spec=args.model, dtype=args.dtype, device=args.device)
     loaded = load_model(config, args.role, disco_home())
     limits = SessionLimits(max_sessions=args.max_sessions, idle_ttl_s=args.idle_ttl)
-    module = draft_service.server if args.role == "draft" else target_service.server
-    running = module.serve(loaded, host=args.host, port=args.port, limits=limits)
-    _announce(args.role, running.address, loaded.name, args.json)
+    options = dict(host=args.host, port=args.port, limits=limits, max_prompt_tokens=args.max_prompt_tokens or None,
+                   tls=tls, metrics_port=args.metrics_port)
+    if args.role == "draft":
+        running = draft_service.server.serve(
+            loaded, artifact_dirs=args.artifact_dir or [disco_home() / "artifacts"], **options)
+    else:
+        running = target_service.server.serve(loaded, **options)
+    _warn_if_exposed(args.host, tls is not None)
+    _announce(args.role, running.address, loaded.name, args.json, running.metrics_address)
     serve_until_signal([running])
     return 0
 
@@ -95,23 +137,40 @@ def _run_orchestrator(args: argparse.Namespace) -> int:
     from orchestrator.server import load_tokenizer, serve  # noqa: PLC0415
     from orchestrator.servicer import OrchestratorLimits  # noqa: PLC0415
     from protos.runtime import serve_until_signal  # noqa: PLC0415
+    from protos.security import TlsFiles, auth_token_from_env  # noqa: PLC0415
 
-    _configure_logging()
+    _configure_logging(args.log_format)
+    tls = TlsFiles.from_paths(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
+    token = auth_token_from_env(args.auth_token)
     tokenizer = load_tokenizer(args.model, disco_home())
-    limits = OrchestratorLimits(max_new_tokens=args.max_new_tokens_limit, max_sessions=args.max_sessions)
-    running = serve(tokenizer, args.draft, args.target, host=args.host, port=args.port, limits=limits)
-    _announce("orchestrator", running.address, tokenizer.name_or_path, args.json)
+    limits = OrchestratorLimits(max_new_tokens=args.max_new_tokens_limit, max_sessions=args.max_sessions,
+                                max_prompt_tokens=args.max_prompt_tokens)
+    running = serve(tokenizer, args.draft, args.target, host=args.host, port=args.port, limits=limits, tls=tls,
+                    require_client_cert=args.tls_require_client_cert, auth_token=token,
+                    metrics_port=args.metrics_port)
+    _warn_if_exposed(args.host, running.tls, token)
+    _announce("orchestrator", running.address, tokenizer.name_or_path, args.json, running.metrics_address)
     serve_until_signal([running])
     return 0
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from orchestrator.launcher import launch  # noqa: PLC0415
+    from orchestrator.launcher import ServiceOptions, launch  # noqa: PLC0415
+    from protos.security import TlsFiles, auth_token_from_env  # noqa: PLC0415
 
-    services = launch(pair_config_from_args(args), host=args.host, port=args.port, threads=args.threads)
+    tls = TlsFiles.from_paths(args.tls_cert, args.tls_key, args.tls_ca)  # fail here, not in three children
+    if tls is not None and tls.cert is None:
+        raise DiscoError("--tls-ca needs --tls-cert and --tls-key (the services' certificate)")
+    options = ServiceOptions(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+                             tls_server_name=args.tls_server_name, auth_token=auth_token_from_env(args.auth_token),
+                             metrics_port=args.metrics_port, max_prompt_tokens=args.max_prompt_tokens,
+                             log_format=args.log_format, artifact_dirs=tuple(args.artifact_dir or ()))
+    services = launch(pair_config_from_args(args), host=args.host, port=args.port, threads=args.threads,
+                      options=options)
     try:
-        if args.json:
-            print(json.dumps({name: services.addresses[name] for name in ("orchestrator", "draft", "target")}),
+        if args.json:  # with --metrics-port, also {"metrics": {service: HOST:PORT}}
+            announced = {name: services.addresses[name] for name in ("orchestrator", "draft", "target")}
+            print(json.dumps({**announced, "metrics": services.metrics} if services.metrics else announced),
                   flush=True)
         else:
             print(f"disco serving on {services.addresses['orchestrator']} (draft {services.addresses['draft']}, "
@@ -128,14 +187,28 @@ def _run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _announce(service: str, address: str, model: str, as_json: bool) -> None:
+def _announce(service: str, address: str, model: str, as_json: bool, metrics: str | None = None) -> None:
     if as_json:
-        print(json.dumps({"service": service, "address": address, "model": model, "pid": os.getpid()}), flush=True)
+        print(json.dumps({"service": service, "address": address, "model": model, "pid": os.getpid(),
+                          "metrics": metrics}), flush=True)
     else:
-        print(f"{service} service ({model}) listening on {address}", flush=True)
+        print(f"{service} service ({model}) listening on {address}"
+              + (f", metrics on http://{metrics}/metrics" if metrics else ""), flush=True)
 
 
-def _configure_logging() -> None:
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _warn_if_exposed(host: str, tls: bool, token: str | None = None) -> None:
+    """Binding beyond loopback without TLS (or sending a token in clear) deserves a warning."""
+    if host in ("127.0.0.1", "localhost", "::1", "[::1]"):
+        return
+    if not tls:
+        logging.getLogger(__name__).warning(
+            "listening on %s without TLS: anyone who can reach it can use it (see docs/operations.md)", host)
+        if token:
+            logging.getLogger(__name__).warning("the bearer token travels in clear text without TLS")
+
+
+def _configure_logging(log_format: str = "text") -> None:
+    from protos.logs import configure_logging  # noqa: PLC0415
+
+    root = logging.getLogger()
+    configure_logging(root.level if root.handlers else logging.INFO, log_format, sys.stderr)

@@ -56,7 +56,7 @@ class GenerateResult(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[RequestStats, _Mapping]] = ..., elapsed_ns: _Optional[int] = ...) -> None: ...
 
 class RequestStats(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "iterations", "draft_tokens", "accepted_tokens", "acceptance_rate", "lookaheads", "accepted_per_position", "target_forwards", "draft_forwards", "prefill_s", "draft_s", "verify_s", "wall_s", "tokens_per_s", "mean_lookahead", "finish_reason")
+    __slots__ = ("prompt_tokens", "generated_tokens", "iterations", "draft_tokens", "accepted_tokens", "acceptance_rate", "lookaheads", "accepted_per_position", "target_forwards", "draft_forwards", "prefill_s", "draft_s", "verify_s", "wall_s", "tokens_per_s", "mean_lookahead", "finish_reason", "draft_fallbacks", "target_reprefills")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ITERATIONS_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,8 @@ class RequestStats(_message.Message):
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     MEAN_LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_REPREFILLS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     iterations: int
@@ -91,7 +93,9 @@ class RequestStats(_message.Message):
     tokens_per_s: float
     mean_lookahead: float
     finish_reason: str
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., iterations: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., lookaheads: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., target_forwards: _Optional[int] = ..., draft_forwards: _Optional[int] = ..., prefill_s: _Optional[float] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., mean_lookahead: _Optional[float] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    draft_fallbacks: int
+    target_reprefills: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., iterations: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., lookaheads: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., target_forwards: _Optional[int] = ..., draft_forwards: _Optional[int] = ..., prefill_s: _Optional[float] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., mean_lookahead: _Optional[float] = ..., finish_reason: _Optional[str] = ..., draft_fallbacks: _Optional[int] = ..., target_reprefills: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
@@ -132,16 +136,18 @@ class PolicyInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., syntax: _Optional[str] = ..., description: _Optional[str] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_new_tokens", "max_lookahead", "max_sessions", "max_context")
+    __slots__ = ("max_new_tokens", "max_lookahead", "max_sessions", "max_context", "max_prompt_tokens")
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     max_lookahead: int
     max_sessions: int
     max_context: int
-    def __init__(self, max_new_tokens: _Optional[int] = ..., max_lookahead: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_context: _Optional[int] = ...) -> None: ...
+    max_prompt_tokens: int
+    def __init__(self, max_new_tokens: _Optional[int] = ..., max_lookahead: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_context: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class ActiveSessions(_message.Message):
     __slots__ = ("orchestrator", "draft", "target")

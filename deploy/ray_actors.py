@@ -1,0 +1,139 @@
+"""The draft, target and orchestrator services as Ray actors.
+
+Each actor starts its gRPC server in ``__init__`` (the server runs in its own threads)
+and answers ``address()`` and ``describe()``. :mod:`deploy.ray_launcher` creates them as
+named, detached actors with ``max_restarts``: when one dies, Ray starts a new instance
+(same name, same placement-group bundle), which loads its model again and listens on a
+new port; the orchestrator asks for the new address (:mod:`deploy.ray_resolver`) and
+re-prefills the sessions it had there.
+
+The classes are plain Python classes; the launcher wraps them with ``ray.remote``.
+"""
+
+from disco.platform import tune_cpu_math_env
+
+tune_cpu_math_env()  # this module is the first one a Ray worker imports: before torch
+
+import os  # noqa: E402
+from typing import Any  # noqa: E402
+
+import grpc  # noqa: E402
+import ray  # noqa: E402
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+
+HEALTH_TIMEOUT_S = 2.0
+ANY_HOST = ("0.0.0.0", "::", "")
+
+
+def _advertised(host: str, port: int) -> str:
+    """The address others use: the node's IP when bound to every interface."""
+    from protos.runtime import format_address  # noqa: PLC0415
+
+    return format_address(ray.util.get_node_ip_address() if host in ANY_HOST else host, port)
+
+
+def _resources() -> dict[str, float]:
+    """Resources Ray assigned to this actor, without placement-group suffixes."""
+    merged: dict[str, float] = {}
+    for key, amount in ray.get_runtime_context().get_assigned_resources().items():
+        name = key.split("_group_")[0]
+        merged[name] = max(merged.get(name, 0.0), amount)
+    return merged
+
+
+def _health(address: str, service: str) -> str:
+    channel = grpc.insecure_channel(address)
+    try:
+        response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                             timeout=HEALTH_TIMEOUT_S)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+    except grpc.RpcError as error:
+        return f"UNREACHABLE ({error.code().name})"
+    finally:
+        channel.close()
+
+
+def _describe(role: str, address: str, service: str, **extra: Any) -> dict:
+    context = ray.get_runtime_context()
+    return {"name": context.get_actor_name(), "role": role, "address": address,
+            "node_id": context.get_node_id(), "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
+            "resources": _resources(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "restarted": context.was_current_actor_reconstructed, "health": _health(address, service), **extra}
+
+
+class ModelService:
+    """A draft or target service (one model) inside a Ray actor.
+
+    Args:
+        role: ``"draft"`` or ``"target"``.
+        model: :class:`disco.config.ModelConfig` fields (spec, dtype, device).
+        host: interface to bind (``None``: this node's IP as Ray sees it).
+        limits: :class:`disco.sessions.SessionLimits` fields.
+    """
+
+    def __init__(self, role: str, model: dict, host: str | None = None, limits: dict | None = None) -> None:
+        import draft_service.server  # noqa: PLC0415 - torch-using modules after tune_cpu_math_env
+        import target_service.server  # noqa: PLC0415
+        from disco.config import ModelConfig  # noqa: PLC0415
+        from disco.models import disco_home, load_model  # noqa: PLC0415
+        from disco.sessions import SessionLimits  # noqa: PLC0415
+
+        self.role = role
+        loaded = load_model(ModelConfig(**model), role, disco_home(), progress=False)
+        module = draft_service.server if role == "draft" else target_service.server
+        host = host or ray.util.get_node_ip_address()
+        self._running = module.serve(loaded, host=host, port=0, limits=SessionLimits(**(limits or {})))
+        self._address = _advertised(host, self._running.port)
+        self._service = f"disco.v1.{'DraftService' if role == 'draft' else 'TargetService'}"
+        self._model = {"name": loaded.name, "dtype": model.get("dtype"), "device": model.get("device")}
+
+    def address(self) -> str:
+        return self._address
+
+    def describe(self) -> dict:
+        return _describe(self.role, self._address, self._service, model=self._model)
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        """Drain the gRPC server (``disco down`` calls this before killing the actor)."""
+        self._running.stop(grace_s)
+
+
+class OrchestratorService:
+    """The public orchestrator inside a Ray actor; it finds the draft and target
+    replicas among the named actors of its namespace.
+
+    Args:
+        namespace: the Ray namespace of the deployment.
+        tokenizer_spec: the target model (its tokenizer only).
+        host: interface to bind (``None``: this node's IP).
+        port: port to bind (0: any; a restarted instance then gets a new one).
+        limits: :class:`orchestrator.servicer.OrchestratorLimits` fields.
+    """
+
+    def __init__(self, namespace: str, tokenizer_spec: str | None, host: str | None = None, port: int = 0,
+                 limits: dict | None = None) -> None:
+        from deploy.ray_resolver import RayResolver  # noqa: PLC0415
+        from disco.models import disco_home  # noqa: PLC0415
+        from orchestrator.routing import ReplicaSet  # noqa: PLC0415
+        from orchestrator.server import load_tokenizer, serve  # noqa: PLC0415
+        from orchestrator.servicer import OrchestratorLimits  # noqa: PLC0415
+
+        resolver = RayResolver(namespace)
+        tokenizer = load_tokenizer(tokenizer_spec, disco_home())
+        host = host or ray.util.get_node_ip_address()
+        self._running = serve(tokenizer, ReplicaSet("draft", resolver), ReplicaSet("target", resolver),
+                              host=host, port=port, limits=OrchestratorLimits(**(limits or {})))
+        self._address = _advertised(host, self._running.port)
+
+    def address(self) -> str:
+        return self._address
+
+    def describe(self) -> dict:
+        return _describe("orchestrator", self._address, "disco.v1.Orchestrator", routing=self.routing())
+
+    def routing(self) -> dict[str, list[dict]]:
+        """Per-replica sessions and failures seen by this orchestrator."""
+        return self._running.servicers[0].backends.routing()
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        self._running.stop(grace_s)

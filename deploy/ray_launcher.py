@@ -1,0 +1,313 @@
+"""``disco up``, ``disco down`` and ``disco status`` over Ray's public API.
+
+``up`` connects to a cluster (or starts a local head, see :mod:`deploy.ray_head`),
+reserves one placement-group bundle per service replica, starts the draft and target
+replicas as named, detached, restartable actors in their bundles, then the orchestrator
+actor on the head node, and returns their addresses. Everything lives in one Ray
+namespace (default ``disco``): ``down`` and ``status`` find it there by name.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+from deploy import ray_head
+from deploy.ray_actors import ModelService, OrchestratorService
+from deploy.ray_resolver import ORCHESTRATOR_NAME, actor_names, replica_name, role_of
+from disco.errors import DiscoError
+
+logger = logging.getLogger(__name__)
+
+
+class _DropExpectedWarning(logging.Filter):
+    """NOTE: Ray warns that a restartable detached actor in a placement group is killed
+    for good when the group is removed; that is what ``disco down`` does on purpose."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "restartable detached actor with a placement group" not in record.getMessage()
+
+
+logging.getLogger("ray.actor").addFilter(_DropExpectedWarning())
+
+PLACEMENTS = {"spread": "STRICT_SPREAD", "pack": "PACK"}
+STARTUP_TIMEOUT_S = 1800.0  # preparing the default pair on first use downloads ~1.6 GB
+DESCRIBE_TIMEOUT_S = 10.0
+PLACEMENT_TIMEOUT_S = 300.0  # resources in use elsewhere, or nodes an autoscaler is adding
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    """What ``disco up`` deploys (``None`` GPUs: 1 per service if the cluster has GPUs, else 0)."""
+
+    target: str | None = None
+    draft: str | None = None
+    dtype: str = "bfloat16"
+    address: str | None = None  # None: start a local Ray head
+    namespace: str = "disco"
+    target_gpus: float | None = None
+    draft_gpus: float | None = None
+    target_cpus: float = 1.0
+    draft_cpus: float = 1.0
+    target_replicas: int = 1
+    draft_replicas: int = 1
+    placement: str = "spread"
+    host: str | None = None  # None: each node's IP
+    port: int = 50051
+    orchestrator: bool = True
+    max_restarts: int = -1  # -1: restart forever
+    max_sessions: int = 64
+    startup_timeout_s: float = STARTUP_TIMEOUT_S
+    placement_timeout_s: float = PLACEMENT_TIMEOUT_S
+
+
+def up(config: UpConfig, home: Path) -> dict:
+    """Deploy; returns ``{"orchestrator": HOST:PORT | None, "draft": [...], "target": [...], ...}``.
+
+    Raises:
+        DiscoError: a deployment already runs in the namespace, the placement group cannot
+            be scheduled, or a service fails to start (then everything started is removed).
+    """
+    head = None
+    address = config.address
+    previous = ray_head.load_state(home, config.namespace)
+    if previous is not None and previous.head_pid and ray_head.head_running(previous.head_pid):
+        raise DiscoError(f"disco is already up in Ray namespace {config.namespace!r} (local Ray head pid "
+                         f"{previous.head_pid}); run `disco down` first or choose another --namespace")
+    if address is None:
+        if (not ray_head.use_token_auth(generate=True) and ray_head.token_available()
+                and ray_head.AUTH_MODE_VARIABLE not in os.environ):
+            raise DiscoError("the local Ray head uses token authentication: set RAY_AUTH_MODE=token before "
+                             "importing ray (or call deploy.ray_head.use_token_auth(generate=True) first)")
+        cpus = math.ceil(config.target_cpus * config.target_replicas + config.draft_cpus * config.draft_replicas)
+        head = ray_head.start_local_head(home, max(os.cpu_count() or 1, cpus), config.namespace)
+        address = head.address
+    state = ray_head.DeploymentState(config.namespace, address, head.process.pid if head else None,
+                                     str(head.log_path) if head else None, head.client_address if head else None)
+    deploying = False  # from here on, what fails is ours to remove
+    try:
+        ray_head.connect(address, config.namespace, head.process if head else None,
+                         log_path=head.log_path if head else None)
+        existing = actor_names(config.namespace)
+        if existing:
+            raise DiscoError(f"Ray namespace {config.namespace!r} already runs {', '.join(existing)}; "
+                             "run `disco down` first or choose another --namespace")
+        deploying = True
+        ray_head.save_state(home, state)
+        result = _deploy(config)
+        state.orchestrator = result["orchestrator"]
+        ray_head.save_state(home, state)
+        return {**result, "namespace": config.namespace, "ray_address": address,
+                "ray_client_address": state.ray_client_address, "ray_head_pid": state.head_pid}
+    except BaseException:
+        if deploying:
+            _teardown(config.namespace)
+            ray_head.remove_state(home, config.namespace)
+        if head is not None:
+            ray.shutdown()
+            ray_head.stop_local_head(head.process.pid)
+        raise
+
+
+def _deploy(config: UpConfig) -> dict:
+    gpus = ray.cluster_resources().get("GPU", 0) > 0
+    roles = [("target", config.target_replicas, config.target_cpus, _gpus(config.target_gpus, gpus)),
+             ("draft", config.draft_replicas, config.draft_cpus, _gpus(config.draft_gpus, gpus))]
+    bundles, names = [], []
+    for role, replicas, cpus, role_gpus in roles:
+        for index in range(replicas):
+            bundles.append({"CPU": cpus, **({"GPU": role_gpus} if role_gpus else {})})
+            names.append((role, index, cpus, role_gpus))
+    strategy = _strategy(config.placement, bundles)
+    group = ray.util.placement_group(bundles, strategy=strategy, name=_group_name(config.namespace),
+                                     lifetime="detached")
+    _await_placement(group, bundles, strategy, config.placement_timeout_s)
+    service = ray.remote(ModelService)
+    handles = {}
+    for bundle_index, (role, index, cpus, role_gpus) in enumerate(names):
+        model = {"spec": config.target if role == "target" else config.draft, "dtype": config.dtype,
+                 "device": "cuda" if role_gpus else "cpu"}
+        handles[replica_name(role, index)] = service.options(
+            name=replica_name(role, index), lifetime="detached", max_restarts=config.max_restarts,
+            num_cpus=cpus, num_gpus=role_gpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle_index),
+        ).remote(role, model, config.host, {"max_sessions": config.max_sessions})
+    addresses = {name: _await(name, handle, config.startup_timeout_s) for name, handle in handles.items()}
+    orchestrator = None
+    if config.orchestrator:
+        handle = ray.remote(OrchestratorService).options(
+            name=ORCHESTRATOR_NAME, lifetime="detached", max_restarts=config.max_restarts, num_cpus=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(_head_node_id(), soft=False),
+        ).remote(config.namespace, config.target, config.host, config.port)
+        orchestrator = _await(ORCHESTRATOR_NAME, handle, config.startup_timeout_s)
+    return {"orchestrator": orchestrator, "placement": strategy,
+            "target": [a for n, a in addresses.items() if n.startswith("target")],
+            "draft": [a for n, a in addresses.items() if n.startswith("draft")]}
+
+
+def _await_placement(group, bundles: list[dict], strategy: str, timeout_s: float) -> None:
+    """Wait until the placement group is scheduled, saying what it waits for.
+
+    Raises:
+        DiscoError: not scheduled within ``timeout_s``.
+    """
+    if group.wait(timeout_seconds=min(5.0, timeout_s)):
+        return
+    needed: dict[str, float] = {}
+    for bundle in bundles:
+        for key, amount in bundle.items():
+            needed[key] = needed.get(key, 0.0) + amount
+
+    def describe(resources: dict) -> str:
+        return ", ".join(f"{key}={resources.get(key, 0):g}" for key in sorted(needed))
+
+    shortage = (f"needs {describe(needed)} ({strategy}); the cluster has {describe(ray.cluster_resources())} "
+                f"in total, {describe(ray.available_resources())} free")
+    logger.warning("waiting up to %.0f s for the placement group: %s", timeout_s, shortage)
+    if not group.wait(timeout_seconds=max(0.0, timeout_s - 5.0)):
+        raise DiscoError(f"the placement group could not be scheduled within {timeout_s:.0f} s: {shortage}; "
+                         "free resources (another deployment? see `disco status --namespace ...`) or ask for less")
+
+
+def _gpus(requested: float | None, cluster_has_gpus: bool) -> float:
+    return requested if requested is not None else (1.0 if cluster_has_gpus else 0.0)
+
+
+def _strategy(placement: str, bundles: list[dict]) -> str:
+    """``spread``: STRICT_SPREAD when enough alive nodes can each hold the largest
+    bundle, else SPREAD (best effort); ``pack``: PACK."""
+    if placement not in PLACEMENTS:
+        raise DiscoError(f"placement must be one of {sorted(PLACEMENTS)}, got {placement!r}")
+    if placement == "pack":
+        return "PACK"
+    largest = {key: max(b.get(key, 0) for b in bundles) for key in ("CPU", "GPU")}
+    fitting = [n for n in ray.nodes() if n["Alive"]
+               and all(n["Resources"].get(key, 0) >= amount for key, amount in largest.items())]
+    if len(fitting) >= len(bundles):
+        return "STRICT_SPREAD"
+    logger.warning("placement spread: %d service replicas but %d node(s) can host one; using SPREAD "
+                   "(best effort, replicas may share a node)", len(bundles), len(fitting))
+    return "SPREAD"
+
+
+def _head_node_id() -> str:
+    for node in ray.nodes():
+        if node["Alive"] and "node:__internal_head__" in node["Resources"]:
+            return node["NodeID"]
+    return ray.get_runtime_context().get_node_id()
+
+
+def _await(name: str, handle, timeout_s: float) -> str:
+    try:
+        return ray.get(handle.address.remote(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise DiscoError(f"the {name} service did not start within {timeout_s:.0f} s") from None
+    except ray.exceptions.RayError as error:
+        raise DiscoError(f"the {name} service failed to start: {_cause(error)}") from None
+
+
+def _cause(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    errors = [line for line in lines if "Error:" in line or "error:" in line]
+    return (errors or lines or [type(error).__name__])[-1]
+
+
+def _teardown(namespace: str) -> list[str]:
+    """Stop and kill every named actor of ``namespace`` and remove the placement group."""
+    if not ray.is_initialized():
+        return []
+    names = actor_names(namespace)
+    handles = {}
+    for name in names:
+        try:
+            handles[name] = ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            continue
+    stops = {name: handle.stop.remote() for name, handle in handles.items()}
+    ray.wait(list(stops.values()), num_returns=len(stops), timeout=10.0)  # drain gRPC servers, best effort
+    for handle in handles.values():
+        ray.kill(handle, no_restart=True)
+    try:
+        ray.util.remove_placement_group(ray.util.get_placement_group(_group_name(namespace)))
+    except ValueError:
+        pass  # no such placement group
+    deadline = time.monotonic() + 30.0
+    while actor_names(namespace) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return names
+
+
+def down(address: str | None, namespace: str, home: Path) -> dict:
+    """Remove what ``up`` started in ``namespace``: actors, placement group, and the local
+    Ray head if ``up`` started one. Returns what was removed and what remains (nothing)."""
+    state = ray_head.load_state(home, namespace)
+    address = _cluster_address(address, state, home, namespace)
+    head_pid = state.head_pid if state else None
+    try:
+        ray_head.connect(address, namespace, timeout_s=0)
+    except DiscoError:
+        if head_pid is None:
+            raise
+        killed, remaining, group_left = [], [], False  # the head died: so did everything in it
+    else:
+        killed = _teardown(namespace)
+        remaining = actor_names(namespace)
+        group_left = _placement_group_exists(namespace)
+    ray.shutdown()
+    head_stopped = ray_head.stop_local_head(head_pid) if head_pid else False
+    ray_head.remove_state(home, namespace)
+    return {"namespace": namespace, "ray_address": address, "removed": killed, "remaining": remaining,
+            "placement_group_left": group_left, "ray_head_stopped": head_stopped}
+
+
+def _group_name(namespace: str) -> str:
+    return f"disco-services-{namespace}"
+
+
+def _cluster_address(address: str | None, state: ray_head.DeploymentState | None, home: Path,
+                     namespace: str) -> str:
+    if address:
+        return address
+    if state is None:
+        raise DiscoError(f"no deployment of Ray namespace {namespace!r} is recorded in "
+                         f"{ray_head.state_path(home, namespace)}; pass --address (e.g. auto) to look in a cluster")
+    return state.ray_address
+
+
+def _placement_group_exists(namespace: str) -> bool:
+    try:
+        group = ray.util.get_placement_group(_group_name(namespace))
+    except ValueError:
+        return False
+    return ray.util.placement_group_table(group).get("state") not in (None, "REMOVED")
+
+
+def status(address: str | None, namespace: str, home: Path) -> dict:
+    """Every actor of the deployment (role, node, resources, address, health, restarts)
+    and the placement group's strategy, state and bundle nodes."""
+    address = _cluster_address(address, ray_head.load_state(home, namespace), home, namespace)
+    ray_head.connect(address, namespace, timeout_s=0)
+    actors = []
+    for name in actor_names(namespace):
+        if role_of(name) is None:
+            continue
+        try:
+            actors.append(ray.get(ray.get_actor(name, namespace=namespace).describe.remote(),
+                                  timeout=DESCRIBE_TIMEOUT_S))
+        except (ray.exceptions.RayError, ValueError) as error:
+            actors.append({"name": name, "role": role_of(name), "health": f"UNAVAILABLE ({_cause(error)})"})
+    group = None
+    if _placement_group_exists(namespace):
+        table = ray.util.placement_group_table(ray.util.get_placement_group(_group_name(namespace)))
+        group = {"name": _group_name(namespace), "strategy": table.get("strategy"), "state": table.get("state"),
+                 "bundles": table.get("bundles"), "bundle_nodes": table.get("bundles_to_node_id")}
+    orchestrator = next((a.get("address") for a in actors if a["role"] == "orchestrator"), None)
+    return {"namespace": namespace, "ray_address": address, "orchestrator": orchestrator, "actors": actors,
+            "placement_group": group}

@@ -1,0 +1,492 @@
+"""Training DISCO: examples from replay, classifiers, threshold tuned by replay.
+
+1. **Examples.** Reference policies are replayed on the training records
+   (:mod:`disco.replay`) with an observer that runs the SAME
+   :class:`~disco.features.FeatureExtractor` as the live policy; every draft token gives
+   one feature vector and two labels: ``current`` (this token is accepted) and ``next``
+   (the next draft token would be). Tokens replayed beyond the records' horizon (proxy
+   signals) are left out. After a first fit, one DAgger round replays the DISCO policy
+   itself and adds its own states, so the session/block features match what it sees live.
+2. **Classifiers** (scikit-learn): logistic regression, a small MLP and histogram
+   gradient boosting, each calibrated (Platt scaling of its cross-validated raw score,
+   folds grouped by prompt) and compiled to plain arrays
+   (:class:`~disco.policies.learned.CompiledClassifier`).
+3. **Choice and threshold by replay speed on the validation split**: for every
+   (classifier, label) the stop threshold is swept on validation replay under the cost
+   model; the winner is the highest simulated speedup (of a 3-point moving average over
+   the threshold grid, so a lone lucky threshold does not win) — not the best accuracy.
+   ``disco tune`` repeats the sweep for another cost model without retraining.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from disco.cost_model import CostModel
+from disco.datasets import HUMANEVAL, Dataset, load_dataset
+from disco.errors import InvalidRequest
+from disco.features import DEFAULT_GROUPS, FEATURE_VERSION, FeatureExtractor, FeatureSpec, Projection
+from disco.oracle_records import OracleRecord, RecordSet
+from disco.policies.learned import CompiledClassifier, DiscoArtifact, LABELS
+from disco.replay import (DEFAULT_REPLAY_LOOKAHEAD, PolicyReplay, replay_policy, summarize,
+                          target_only_seconds)
+from disco.signals import TokenSignals
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("logreg", "mlp", "gbm")
+REFERENCE_POLICIES = ("static:4", "static:8", "static:16", "confidence:0.3", "confidence:0.6")
+THRESHOLDS = tuple(round(0.02 * i, 2) for i in range(1, 50))
+
+
+# --- 1. examples -----------------------------------------------------------------------------------------
+
+
+class ExampleCollector:
+    """Replay observer: features (by the live extractor) and labels per draft token."""
+
+    def __init__(self, record: OracleRecord, spec: FeatureSpec, projection: Projection | None) -> None:
+        self.record = record
+        self.extractor = FeatureExtractor(spec, projection)
+        self.rows: list[np.ndarray] = []
+        self.current: list[int] = []
+        self.next: list[int] = []
+
+    def begin_block(self) -> None:
+        self.extractor.begin_block()
+
+    def token(self, position: int, token_id: int, signals: TokenSignals, index: int, alive: bool,
+              exact: bool) -> None:
+        x = self.extractor.token(position, signals)
+        if not exact:
+            return
+        matches = self.record.matches
+        self.rows.append(x)
+        self.current.append(int(alive))
+        self.next.append(int(alive and index + 1 < len(matches) and bool(matches[index + 1])))
+
+    def feedback(self, num_drafted: int, num_accepted: int) -> None:
+        self.extractor.feedback(num_drafted, num_accepted)
+
+
+@dataclass
+class Examples:
+    x: np.ndarray  # [n, features]
+    labels: dict[str, np.ndarray]  # label name -> [n] {0, 1}
+    groups: np.ndarray  # [n] prompt index (for grouped folds)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    @staticmethod
+    def concat(parts: Sequence["Examples"]) -> "Examples":
+        parts = [p for p in parts if len(p)]
+        return Examples(x=np.concatenate([p.x for p in parts]),
+                        labels={k: np.concatenate([p.labels[k] for p in parts]) for k in LABELS},
+                        groups=np.concatenate([p.groups for p in parts]))
+
+
+def collect_examples(records: RecordSet, builders: dict[str, Callable], spec: FeatureSpec,
+                     projection: Projection | None, max_lookahead: int) -> Examples:
+    """Replay each policy (name -> per-record builder) and collect every draft token."""
+    rows, current, nxt, groups = [], [], [], []
+    for name, build in builders.items():
+        collectors: list[ExampleCollector] = []
+        it = iter(range(len(records.records)))
+
+        def observer_factory():
+            collector = ExampleCollector(records.records[next(it)], spec, projection)
+            collectors.append(collector)
+            return collector
+        replay_policy(records, build, max_lookahead, name=name, observer_factory=observer_factory,
+                      with_hidden=spec.needs_hidden)
+        for index, collector in enumerate(collectors):
+            rows.extend(collector.rows)
+            current.extend(collector.current)
+            nxt.extend(collector.next)
+            groups.extend([index] * len(collector.rows))
+    width = len(spec.names)
+    return Examples(x=np.asarray(rows, dtype=np.float64).reshape(-1, width),
+                    labels={"current": np.asarray(current, dtype=np.int64), "next": np.asarray(nxt, dtype=np.int64)},
+                    groups=np.asarray(groups, dtype=np.int64))
+
+
+def reference_builders(records: RecordSet, policies: Sequence[str] = REFERENCE_POLICIES) -> dict[str, Callable]:
+    from disco.replay import policy_builder  # noqa: PLC0415
+
+    return {spec: policy_builder(spec, eos_token_ids=records.eos_token_ids) for spec in policies}
+
+
+def fit_projection(records: RecordSet, dims: int) -> Projection:
+    hidden = [r.hidden for r in records.records if r.hidden is not None]
+    hidden += [r.branch_hidden for r in records.records if r.branch_hidden is not None and len(r.branch_hidden)]
+    if not hidden:
+        raise InvalidRequest("hidden-state features need records computed with hidden states (omit --no-hidden)")
+    return Projection.fit_pca(np.concatenate(hidden), dims)
+
+
+# --- 2. classifiers --------------------------------------------------------------------------------------
+
+
+def make_estimator(kind: str):
+    from sklearn.ensemble import HistGradientBoostingClassifier  # noqa: PLC0415
+    from sklearn.linear_model import LogisticRegression  # noqa: PLC0415
+    from sklearn.neural_network import MLPClassifier  # noqa: PLC0415
+    from sklearn.pipeline import make_pipeline  # noqa: PLC0415
+    from sklearn.preprocessing import StandardScaler  # noqa: PLC0415
+
+    if kind == "logreg":
+        return make_pipeline(StandardScaler(), LogisticRegression(C=1.0, max_iter=3000))
+    if kind == "mlp":
+        return make_pipeline(StandardScaler(), MLPClassifier(hidden_layer_sizes=(32, 16), alpha=1e-3,
+                                                             max_iter=800, early_stopping=True,
+                                                             n_iter_no_change=20, random_state=0))
+    if kind == "gbm":
+        return HistGradientBoostingClassifier(max_iter=150, learning_rate=0.05, max_leaf_nodes=15,
+                                              min_samples_leaf=20, l2_regularization=1.0, random_state=0)
+    raise InvalidRequest(f"unknown classifier {kind!r} (known: {', '.join(KINDS)})")
+
+
+def compile_estimator(kind: str, estimator, num_features: int, calibration: tuple[float, float]) -> CompiledClassifier:
+    """Copy a fitted scikit-learn model into plain arrays."""
+    arrays: dict[str, np.ndarray] = {"num_features": np.array([num_features]),
+                                     "calibration": np.array(calibration, dtype=np.float64)}
+    if kind in ("logreg", "mlp"):
+        scaler, model = estimator[0], estimator[-1]
+        arrays["scaler_mean"], arrays["scaler_scale"] = scaler.mean_, scaler.scale_
+        if kind == "logreg":
+            arrays["coef"], arrays["intercept"] = model.coef_[0], model.intercept_
+        else:
+            arrays["layers"] = np.array([len(model.coefs_)])
+            for i, (w, b) in enumerate(zip(model.coefs_, model.intercepts_)):
+                arrays[f"w{i}"], arrays[f"b{i}"] = w, b
+    elif kind == "gbm":
+        starts, fields = [], {name: [] for name in ("feature", "threshold", "left", "right", "is_leaf", "value",
+                                                    "missing_left")}
+        offset = 0
+        for predictors in estimator._predictors:  # one list (of one tree) per boosting iteration
+            nodes = predictors[0].nodes
+            starts.append(offset)
+            fields["feature"].append(nodes["feature_idx"])
+            fields["threshold"].append(nodes["num_threshold"])
+            fields["left"].append(nodes["left"])
+            fields["right"].append(nodes["right"])
+            fields["is_leaf"].append(nodes["is_leaf"])
+            fields["value"].append(nodes["value"])
+            fields["missing_left"].append(nodes["missing_go_to_left"])
+            offset += len(nodes)
+        arrays["baseline"] = np.ravel(estimator._baseline_prediction)[:1].astype(np.float64)
+        arrays["tree_starts"] = np.asarray(starts, dtype=np.int64)
+        for name, parts in fields.items():
+            arrays[f"node_{name}"] = np.concatenate(parts)
+    else:
+        raise InvalidRequest(f"unknown classifier {kind!r}")
+    return CompiledClassifier(kind, arrays)
+
+
+def raw_score(kind: str, estimator, x: np.ndarray) -> np.ndarray:
+    if kind == "logreg":
+        return estimator.decision_function(x)
+    if kind == "gbm":
+        return estimator.decision_function(x)
+    p = np.clip(estimator.predict_proba(x)[:, 1], 1e-12, 1 - 1e-12)
+    return np.log(p / (1 - p))
+
+
+def fit_classifier(kind: str, examples: Examples, label: str, folds: int = 3) -> CompiledClassifier:
+    """Fit on all examples; Platt-calibrate on out-of-fold raw scores (folds by prompt)."""
+    from threadpoolctl import threadpool_limits  # noqa: PLC0415
+
+    # NOTE: one thread: OpenMP/BLAS worker threads spin, and on a shared small CPU that
+    # makes gradient boosting ~20x slower than single-threaded on these small data sets.
+    with threadpool_limits(1):
+        return _fit_classifier(kind, examples, label, folds)
+
+
+def _fit_classifier(kind: str, examples: Examples, label: str, folds: int) -> CompiledClassifier:
+    from sklearn.base import clone  # noqa: PLC0415
+    from sklearn.linear_model import LogisticRegression  # noqa: PLC0415
+    from sklearn.model_selection import GroupKFold  # noqa: PLC0415
+
+    x, y = examples.x, examples.labels[label]
+    if len(np.unique(y)) < 2:
+        raise InvalidRequest(f"training examples have only one class for label {label!r}; use more prompts")
+    base = make_estimator(kind)
+    out_of_fold = np.zeros(len(y))
+    splits = min(folds, len(np.unique(examples.groups)))
+    if splits >= 2:
+        for train_idx, test_idx in GroupKFold(n_splits=splits).split(x, y, examples.groups):
+            if len(np.unique(y[train_idx])) < 2:
+                out_of_fold[test_idx] = 0.0
+                continue
+            model = clone(base).fit(x[train_idx], y[train_idx])
+            out_of_fold[test_idx] = raw_score(kind, model, x[test_idx])
+        platt = LogisticRegression(C=1e4, max_iter=1000).fit(out_of_fold[:, None], y)
+        calibration = (float(platt.coef_[0, 0]), float(platt.intercept_[0]))
+    else:
+        calibration = (1.0, 0.0)
+    estimator = clone(base).fit(x, y)
+    return compile_estimator(kind, estimator, x.shape[1], calibration)
+
+
+# --- 3. choice and threshold by replay -------------------------------------------------------------------
+
+
+def build_artifact(classifier: CompiledClassifier, spec: FeatureSpec, projection: Projection | None, label: str,
+                   threshold: float, metadata: dict | None = None) -> DiscoArtifact:
+    meta = {"threshold": threshold, "label": label, **(metadata or {})}
+    return DiscoArtifact(metadata=meta, classifier=classifier, spec=spec, projection=projection)
+
+
+def replay_artifact(artifact: DiscoArtifact, records: RecordSet, threshold: float, max_lookahead: int,
+                    memo: dict | None = None, observer_factory=None) -> PolicyReplay:
+    return replay_policy(records, lambda record: artifact.policy(threshold, memo), max_lookahead,
+                         name=f"disco(t={threshold:g})", observer_factory=observer_factory)
+
+
+def sweep_thresholds(artifact: DiscoArtifact, records: RecordSet, cost: CostModel, max_lookahead: int,
+                     thresholds: Sequence[float] = THRESHOLDS) -> list[dict]:
+    """Simulated speedup per threshold (predictions memoized across the sweep)."""
+    memo: dict = {}
+    baseline = target_only_seconds(records, cost)
+    return [{"threshold": t, **summarize(replay_artifact(artifact, records, t, max_lookahead, memo), cost, baseline)}
+            for t in thresholds]
+
+
+def best_threshold(curve: list[dict]) -> tuple[float, float]:
+    """Threshold with the best 3-point moving-average speedup (ties: the lower threshold)."""
+    speeds = np.array([row["speedup"] for row in curve])
+    smooth = np.convolve(np.pad(speeds, 1, mode="edge"), np.ones(3) / 3, mode="valid")
+    best = int(np.argmax(smooth))
+    return float(curve[best]["threshold"]), float(speeds[best])
+
+
+def auc(y: np.ndarray, p: np.ndarray) -> float:
+    from sklearn.metrics import roc_auc_score  # noqa: PLC0415
+
+    return float(roc_auc_score(y, p)) if len(np.unique(y)) == 2 else float("nan")
+
+
+@dataclass
+class TrainResult:
+    artifact: DiscoArtifact
+    table: list[dict] = field(default_factory=list)
+    examples: int = 0
+
+
+def train_disco(train: RecordSet, validation: RecordSet, cost: CostModel, spec: FeatureSpec = FeatureSpec(),
+                kinds: Sequence[str] = KINDS, labels: Sequence[str] = LABELS,
+                max_lookahead: int = DEFAULT_REPLAY_LOOKAHEAD, dagger_rounds: int = 1,
+                reference_policies: Sequence[str] = REFERENCE_POLICIES, metadata: dict | None = None,
+                log: Callable[[str], None] = logger.info) -> TrainResult:
+    """Fit every (classifier, label), tune each threshold on validation replay, keep the
+    fastest; then DAgger rounds on the winner. Test data never enters here."""
+    started = time.perf_counter()
+    projection = fit_projection(train, spec.hidden_dims) if spec.needs_hidden else None
+    examples = collect_examples(train, reference_builders(train, reference_policies), spec, projection, max_lookahead)
+    val_examples = collect_examples(validation, reference_builders(validation, reference_policies), spec,
+                                    projection, max_lookahead)
+    log(f"{len(examples)} training examples ({examples.labels['current'].mean():.1%} accepted), "
+        f"{len(val_examples)} validation examples, {len(spec.names)} features")
+    table: list[dict] = []
+    best: tuple[float, DiscoArtifact] | None = None
+    for kind in kinds:
+        for label in labels:
+            classifier = fit_classifier(kind, examples, label)
+            artifact = build_artifact(classifier, spec, projection, label, 0.5)
+            threshold, speedup = best_threshold(sweep_thresholds(artifact, validation, cost, max_lookahead))
+            artifact.metadata["threshold"] = threshold
+            row = {"classifier": kind, "label": label, "threshold": threshold, "val_speedup": round(speedup, 4),
+                   "val_auc": round(auc(val_examples.labels[label], classifier.probability_batch(val_examples.x)), 4),
+                   "round": 0}
+            table.append(row)
+            log(f"  {kind:<7} {label:<8} threshold {threshold:.2f}: validation speedup {speedup:.4f}x, "
+                f"AUC {row['val_auc']:.3f}")
+            if best is None or speedup > best[0]:
+                best = (speedup, artifact)
+    assert best is not None
+    for round_ in range(1, dagger_rounds + 1):
+        chosen = best[1]
+        kind, label = chosen.classifier.kind, chosen.label
+        own = collect_examples(train, {"disco": lambda record, a=chosen: a.policy()}, spec, projection,
+                               max_lookahead)
+        examples = Examples.concat([examples, own])
+        classifier = fit_classifier(kind, examples, label)
+        artifact = build_artifact(classifier, spec, projection, label, 0.5)
+        threshold, speedup = best_threshold(sweep_thresholds(artifact, validation, cost, max_lookahead))
+        artifact.metadata["threshold"] = threshold
+        row = {"classifier": kind, "label": label, "threshold": threshold, "val_speedup": round(speedup, 4),
+               "val_auc": round(auc(val_examples.labels[label], classifier.probability_batch(val_examples.x)), 4),
+               "round": round_}
+        table.append(row)
+        log(f"  DAgger round {round_}: {kind} {label} threshold {threshold:.2f}: validation speedup {speedup:.4f}x "
+            f"(+{len(own)} own examples)")
+        if speedup >= best[0]:
+            best = (speedup, artifact)
+    artifact = best[1]
+    artifact.metadata.update(metadata or {})
+    artifact.metadata.update({
+        "cost_model": cost.to_json(), "max_lookahead": max_lookahead, "validation_speedup": round(best[0], 4),
+        "validation_table": table, "feature_version": FEATURE_VERSION,
+        "training": {**(artifact.metadata.get("training") or {}), "examples": len(examples),
+                     "reference_policies": list(reference_policies), "dagger_rounds": dagger_rounds,
+                     "train_prompts": len(train.records), "validation_prompts": len(validation.records),
+                     "seconds": round(time.perf_counter() - started, 1)},
+    })
+    return TrainResult(artifact=artifact, table=table, examples=len(examples))
+
+
+def train_disco_cv(train: RecordSet, validation: RecordSet, cost: CostModel, spec: FeatureSpec = FeatureSpec(),
+                   kinds: Sequence[str] = KINDS, labels: Sequence[str] = LABELS,
+                   max_lookahead: int = DEFAULT_REPLAY_LOOKAHEAD, folds: int = 4,
+                   reference_policies: Sequence[str] = REFERENCE_POLICIES, metadata: dict | None = None,
+                   log: Callable[[str], None] = logger.info) -> TrainResult:
+    """Like :func:`train_disco`, but (classifier, label, threshold) are chosen by
+    cross-validated replay over the train + validation prompts: each fold's prompts are
+    replayed with a classifier fitted on the other folds, simulated seconds are summed
+    over all folds per threshold. Every prompt then informs the choice (a 6-prompt
+    validation split alone is noisy), and no prompt judges a classifier it trained.
+    The final classifier is refitted on all prompts with the chosen threshold."""
+    started = time.perf_counter()
+    pool = RecordSet(meta=train.meta, records=list(train.records) + list(validation.records), path=train.path)
+    projection = fit_projection(pool, spec.hidden_dims) if spec.needs_hidden else None
+    examples = collect_examples(pool, reference_builders(pool, reference_policies), spec, projection, max_lookahead)
+    folds = max(2, min(folds, len(pool.records)))
+    fold_of = np.arange(len(pool.records)) % folds
+    log(f"{len(examples)} examples from {len(pool.records)} prompts ({examples.labels['current'].mean():.1%} "
+        f"accepted), {len(spec.names)} features, {folds}-fold replay selection")
+    seconds = {(kind, label): np.zeros(len(THRESHOLDS)) for kind in kinds for label in labels}
+    baseline = 0.0
+    for fold in range(folds):
+        held = RecordSet(meta=pool.meta, records=[r for r, f in zip(pool.records, fold_of) if f == fold],
+                         path=pool.path)
+        keep = fold_of[examples.groups] != fold
+        part = Examples(x=examples.x[keep], labels={k: v[keep] for k, v in examples.labels.items()},
+                        groups=examples.groups[keep])
+        baseline += target_only_seconds(held, cost)
+        for kind, label in seconds:
+            artifact = build_artifact(fit_classifier(kind, part, label), spec, projection, label, 0.5)
+            memo: dict = {}
+            for i, threshold in enumerate(THRESHOLDS):
+                seconds[(kind, label)][i] += replay_artifact(artifact, held, threshold, max_lookahead, memo).seconds(cost)
+    table, best = [], None
+    for (kind, label), totals in seconds.items():
+        curve = [{"threshold": t, "speedup": baseline / total} for t, total in zip(THRESHOLDS, totals)]
+        threshold, speedup = best_threshold(curve)
+        table.append({"classifier": kind, "label": label, "threshold": threshold, "cv_speedup": round(speedup, 4)})
+        log(f"  {kind:<7} {label:<8} threshold {threshold:.2f}: cross-validated speedup {speedup:.4f}x")
+        if best is None or speedup > best[0]:
+            best = (speedup, kind, label, threshold)
+    assert best is not None
+    speedup, kind, label, threshold = best
+    artifact = build_artifact(fit_classifier(kind, examples, label), spec, projection, label, threshold)
+    artifact.metadata.update(metadata or {})
+    artifact.metadata.update({
+        "cost_model": cost.to_json(), "max_lookahead": max_lookahead, "validation_speedup": round(speedup, 4),
+        "selection": f"{folds}-fold cross-validated replay over train + validation prompts",
+        "validation_table": table, "feature_version": FEATURE_VERSION,
+        "training": {**(artifact.metadata.get("training") or {}), "examples": len(examples),
+                     "reference_policies": list(reference_policies), "dagger_rounds": 0,
+                     "train_prompts": len(train.records), "validation_prompts": len(validation.records),
+                     "seconds": round(time.perf_counter() - started, 1)},
+    })
+    log(f"  chose {kind} {label} threshold {threshold:.2f} ({speedup:.4f}x cross-validated)")
+    return TrainResult(artifact=artifact, table=table, examples=len(examples))
+
+
+def retune(artifact: DiscoArtifact, validation: RecordSet, cost: CostModel, max_lookahead: int) -> tuple[float, float]:
+    """New threshold for another cost model (or RTT), no retraining."""
+    threshold, speedup = best_threshold(sweep_thresholds(artifact, validation, cost, max_lookahead))
+    artifact.metadata.update(threshold=threshold, cost_model=cost.to_json(), validation_speedup=round(speedup, 4),
+                             max_lookahead=max_lookahead)
+    return threshold, speedup
+
+
+# --- CLI glue --------------------------------------------------------------------------------------------
+
+
+def split_datasets(dataset_spec: str, limit: int | None, validation_spec: str | None,
+                   validation_limit: int | None) -> tuple[Dataset, Dataset | None, bool]:
+    """(train dataset, validation dataset or None to hold out the last 25%, is HumanEval)."""
+    name = dataset_spec.partition(":")[0]
+    is_humaneval = name == HUMANEVAL and not Path(dataset_spec).exists()
+    train_spec = f"{HUMANEVAL}:train" if dataset_spec == HUMANEVAL else dataset_spec
+    if is_humaneval and train_spec.endswith((":validation", ":test")):
+        raise InvalidRequest("train on humaneval or humaneval:train; validation and test are held out")
+    train = load_dataset(train_spec, limit)
+    if validation_spec is None and is_humaneval:
+        validation_spec = f"{HUMANEVAL}:validation"
+    validation = load_dataset(validation_spec, validation_limit) if validation_spec else None
+    return train, validation, is_humaneval
+
+
+def run_train_command(args: argparse.Namespace, pair_records, record_config, cost: CostModel) -> int:
+    train_ds, val_ds, _ = split_datasets(args.dataset, args.limit, args.validation, args.validation_limit)
+    train = pair_records.get(train_ds, record_config)
+    if val_ds is not None:
+        validation = pair_records.get(val_ds, record_config)
+    else:
+        cut = max(1, len(train.records) * 3 // 4)
+        if cut >= len(train.records):
+            raise InvalidRequest("need at least 2 prompts to hold out a validation part (or pass --validation)")
+        validation = RecordSet(meta=train.meta, records=train.records[cut:], path=train.path)
+        train = RecordSet(meta=train.meta, records=train.records[:cut], path=train.path)
+    groups = tuple(args.groups.split(",")) if args.groups else DEFAULT_GROUPS
+    spec = FeatureSpec(groups=groups, hidden_dims=args.hidden_dims if "hidden" in groups else 0)
+    kinds = tuple(k.strip() for k in args.models.split(",") if k.strip())
+    labels = LABELS if args.label == "auto" else (args.label,)
+    max_lookahead = args.max_lookahead or DEFAULT_REPLAY_LOOKAHEAD
+    metadata = {
+        "draft": {**train.meta["draft"], "name": args.draft or "default pair draft (Qwen2.5-Coder-0.5B-Instruct)"},
+        "target": {**train.meta["target"], "name": args.target or "default pair target (Qwen2.5-Coder-1.5B-Instruct)"},
+        "training": {"dataset": train_ds.name, "validation_dataset": val_ds.name if val_ds else "held-out 25%",
+                     "max_new_tokens": record_config.max_new_tokens, "horizon": record_config.horizon,
+                     "command": "disco " + " ".join(sys.argv[1:]) if "train" in sys.argv[1:] else None},
+    }
+    log = lambda line: print(line, file=sys.stderr)  # noqa: E731
+    if args.select == "cv":
+        result = train_disco_cv(train, validation, cost, spec, kinds, labels, max_lookahead, folds=args.folds,
+                                metadata=metadata, log=log)
+    else:
+        result = train_disco(train, validation, cost, spec, kinds, labels, max_lookahead,
+                             dagger_rounds=args.dagger_rounds, metadata=metadata, log=log)
+    result.artifact.save(args.out)
+    summary = {"out": str(args.out), "classifier": result.artifact.classifier.kind, "label": result.artifact.label,
+               "threshold": result.artifact.threshold,
+               "validation_speedup": result.artifact.metadata["validation_speedup"],
+               "examples": result.examples, "features": list(spec.names), "table": result.table}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"wrote {args.out}: {summary['classifier']} ({summary['label']}), threshold {summary['threshold']:.2f}, "
+              f"validation speedup {summary['validation_speedup']:.4f}x under {cost.source}")
+    return 0
+
+
+def run_tune_command(args: argparse.Namespace, pair_records, record_config, cost_from_args) -> int:
+    from disco.policies.learned import read_artifact  # noqa: PLC0415
+
+    artifact = read_artifact(args.artifact)
+    stored = artifact.metadata.get("cost_model")
+    cost = cost_from_args(args, CostModel.from_json(stored) if stored else None)
+    if pair_records is None:
+        raise InvalidRequest("disco tune needs --dataset (the validation split to replay, e.g. humaneval:validation)")
+    if args.dataset.endswith(":test"):
+        raise InvalidRequest("tune on a validation split, never on test")
+    validation = pair_records.get(load_dataset(args.dataset, args.limit), record_config)
+    max_lookahead = args.max_lookahead or int(artifact.metadata.get("max_lookahead", DEFAULT_REPLAY_LOOKAHEAD))
+    old = artifact.threshold
+    threshold, speedup = retune(artifact, validation, cost, max_lookahead)
+    artifact.save(args.out)
+    print(f"wrote {args.out}: threshold {old:.2f} -> {threshold:.2f}, validation speedup {speedup:.4f}x "
+          f"under {cost.source}")
+    return 0

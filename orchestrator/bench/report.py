@@ -1,0 +1,60 @@
+"""Benchmark output: the environment, a Markdown table, CSV, JSON and PNG plots."""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import os
+import platform
+from pathlib import Path
+
+COLUMNS = ("policy", "transport", "tokens_per_s", "speedup", "speedup_min", "speedup_max", "identical",
+           "mean_first_divergence", "acceptance_rate", "mean_lookahead", "target_forwards", "draft_forwards",
+           "generated_tokens", "prompts", "repeats")
+
+
+def environment(extra: dict) -> dict:
+    import torch  # noqa: PLC0415
+
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo", encoding="utf-8")
+                if line.startswith("model name")), platform.processor()) if os.path.exists("/proc/cpuinfo") else ""
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "mkl_cbwr": os.environ.get("MKL_CBWR"), "python": platform.python_version(), **extra}
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 100 else f"{value:.1f}"
+    return str(value)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    header = "| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n"
+    ordered = sorted(rows, key=lambda r: (r["transport"], -r["speedup"]))
+    return header + "".join("| " + " | ".join(_cell(row.get(c)) for c in COLUMNS) + " |\n" for row in ordered)
+
+
+def write_reports(rows: list[dict], env: dict, json_out: Path | None, report_dir: Path | None,
+                  plots: dict | None = None) -> None:
+    payload = {"env": env, "rows": rows}
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(payload, indent=2))
+    if report_dir:
+        report_dir.mkdir(parents=True, exist_ok=True)
+        (report_dir / "bench.json").write_text(json.dumps(payload, indent=2))
+        (report_dir / "bench.md").write_text(
+            f"# disco bench\n\n`{env.get('command', '')}`\n\n{markdown_table(rows)}\n"
+            + "".join(f"- {key}: {value}\n" for key, value in env.items() if key != "command"))
+        with open(report_dir / "bench.csv", "w", newline="", encoding="utf-8") as handle:
+            writer = csv.DictWriter(handle, fieldnames=COLUMNS, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+        if plots:
+            from orchestrator.bench.plots import write_plots  # noqa: PLC0415 - matplotlib is slow to import
+
+            write_plots(rows, plots["traces"], plots["histograms"], report_dir, plots.get("oracle_speedup"))

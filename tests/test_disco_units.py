@@ -1,0 +1,119 @@
+"""DISCO building blocks: datasets and their fixed split, cost model, features,
+compiled classifiers equal to scikit-learn's."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from disco.cost_model import CostModel, measure
+from disco.datasets import load_dataset
+from disco.errors import InvalidRequest
+from disco.features import FeatureExtractor, FeatureSpec
+from disco.signals import TokenSignals
+from disco.training import Examples, _fit_classifier, compile_estimator, make_estimator, raw_score
+
+
+def test_humaneval_split_is_fixed_and_disjoint():
+    splits = {name: load_dataset(f"humaneval:{name}") for name in ("train", "validation", "test")}
+    ids = {name: [item.id for item in ds.items] for name, ds in splits.items()}
+    assert [len(ids[n]) for n in ("train", "validation", "test")] == [102, 21, 41]
+    assert set(ids["train"]).isdisjoint(ids["test"]) and set(ids["validation"]).isdisjoint(ids["test"])
+    assert ids["test"][:3] == ["HumanEval/3", "HumanEval/7", "HumanEval/11"]
+    assert ids["validation"][:2] == ["HumanEval/1", "HumanEval/9"]
+    assert [i.id for i in load_dataset("humaneval:train", limit=3).items] == ["HumanEval/0", "HumanEval/2",
+                                                                              "HumanEval/4"]
+    assert len(load_dataset("humaneval")) == 164
+
+
+def test_jsonl_prompts_and_chats(tmp_path, tokenizer):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": "def f():"}) + "\n\n" +
+                    json.dumps({"id": "chat", "messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    dataset = load_dataset(str(path))
+    assert [item.id for item in dataset.items] == ["1", "chat"]
+    assert dataset.items[0].encode(tokenizer) == tokenizer("def f():")["input_ids"]
+    with pytest.raises(InvalidRequest, match="chat template"):
+        dataset.items[1].encode(tokenizer)  # the tiny tokenizer has none
+    assert len(load_dataset(str(path), limit=1)) == 1
+
+
+@pytest.mark.parametrize("spec, fragment", [("humaneval:dev", "unknown HumanEval split"),
+                                            ("/nope.jsonl", "neither"), ("", "empty")])
+def test_bad_datasets_are_refused(spec, fragment):
+    with pytest.raises(InvalidRequest, match=fragment):
+        load_dataset(spec)
+
+
+def test_bad_jsonl_line_names_the_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
+    with pytest.raises(InvalidRequest, match="bad.jsonl:2"):
+        load_dataset(str(path))
+
+
+def test_cost_model_json_round_trip_and_extrapolation(tmp_path):
+    cost = CostModel(t_draft=0.5, t_verify=(1.0, 1.5, 2.0), t_rtt=0.01, source="test")
+    cost.save(tmp_path / "c.json")
+    again = CostModel.load(tmp_path / "c.json")
+    assert again == cost
+    assert again.verify(4) == pytest.approx(3.0)  # linear beyond the table
+    assert again.iteration(3, 2) == pytest.approx(3 * 0.5 + 2.0 + 2 * 0.01)
+    assert again.target_only_token == pytest.approx(1.01)
+    assert CostModel.orientation().target_only_token == pytest.approx(0.240)
+    with pytest.raises(InvalidRequest):
+        CostModel.from_json({"t_draft": 1})
+
+
+def test_measure_on_tiny_engines(target_model, drafts):
+    cost = measure(target_model, drafts["noisy"], max_k=3, repeats=1, prompt_len=16, ks=(0, 1, 3))
+    assert cost.t_draft > 0 and len(cost.t_verify) == 4 and all(v > 0 for v in cost.t_verify)
+
+
+def signals(p1, entropy=1.0):
+    return TokenSignals(topk_probs=(p1, 0.1) + (0.01,) * 8, entropy=entropy, token_prob=p1)
+
+
+def test_feature_vector_follows_block_and_session_state():
+    spec = FeatureSpec()
+    names = spec.names
+    assert len(names) == len(set(names)) == 25 and names[:3] == ("p1", "p2", "p3")
+    extractor = FeatureExtractor(spec)
+    extractor.begin_block()
+    first = dict(zip(names, extractor.token(0, signals(0.8))))
+    second = dict(zip(names, extractor.token(1, signals(0.5, entropy=2.0))))
+    assert first["is_first"] == 1 and second["position"] == 1 and second["prev_p1"] == pytest.approx(0.8)
+    assert second["cum_p1"] == pytest.approx(0.4) and second["min_p1"] == pytest.approx(0.5)
+    assert second["margin"] == pytest.approx(0.4)
+    extractor.feedback(2, 1)
+    extractor.begin_block()
+    third = dict(zip(names, extractor.token(0, signals(0.9))))
+    assert third["prev_accepted"] == 1 and third["prev_drafted"] == 2 and third["prev_full"] == 0
+    assert third["cum_p1"] == pytest.approx(0.9) and third["session_rate"] == pytest.approx(2 / 4)
+
+
+def test_feature_spec_refuses_unknown_groups_and_versions():
+    with pytest.raises(InvalidRequest, match="unknown feature groups"):
+        FeatureSpec(groups=("probs", "vibes"))
+    data = FeatureSpec().to_json()
+    assert FeatureSpec.from_json(data) == FeatureSpec()
+    with pytest.raises(InvalidRequest, match="feature version"):
+        FeatureSpec.from_json({**data, "version": 0})
+
+
+@pytest.mark.parametrize("kind", ["logreg", "mlp", "gbm"])
+def test_compiled_classifier_matches_sklearn(kind):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((400, 6))
+    y = (x[:, 0] + 0.5 * x[:, 1] * x[:, 2] + 0.3 * rng.standard_normal(400) > 0).astype(int)
+    estimator = make_estimator(kind).fit(x, y)
+    compiled = compile_estimator(kind, estimator, 6, (1.0, 0.0))
+    expected = raw_score(kind, estimator, x[:50])
+    np.testing.assert_allclose([compiled.raw(row) for row in x[:50]], expected, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(compiled.raw_batch(x[:50]), expected, rtol=1e-6, atol=1e-6)
+    examples = Examples(x=x, labels={"current": y, "next": y}, groups=np.arange(400) % 4)
+    calibrated = _fit_classifier(kind, examples, "current", folds=3)
+    p = calibrated.probability_batch(x)
+    assert ((p > 0.5) == y).mean() > 0.8 and 0 < p.min() < p.max() < 1

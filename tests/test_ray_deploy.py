@@ -1,0 +1,223 @@
+"""``disco up`` on a real local Ray runtime (CPU, the tiny pair from its HF folders):
+generation through the orchestrator actor is token-identical to in-process; two target
+replicas share concurrent sessions; the draft or a target actor killed mid-generation
+is restarted by Ray while the request completes, exact; ``disco down`` leaves nothing.
+
+One deployment serves the whole module (a Ray head plus four actor processes take about
+a minute to start on a busy 2-core machine); the tests run in file order and the last
+one takes it down.
+"""
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from deploy.ray_head import use_token_auth  # noqa: E402 - imports no ray
+
+use_token_auth(generate=True)  # before `import ray`: the local head uses Ray's token auth
+ray = pytest.importorskip("ray")
+
+from deploy.ray_launcher import UpConfig, down, status, up  # noqa: E402
+from disco.config import SamplingParams, SpeculationConfig  # noqa: E402
+from orchestrator.cli import main  # noqa: E402
+from orchestrator.client import DiscoClient  # noqa: E402
+from tests.helpers import PROMPTS, local_generator  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+NEW_TOKENS = 32
+LONG_TOKENS = 300  # static:1: one Draft and one Verify round trip per token, long enough to interrupt
+RESTART_TIMEOUT_S = 180.0
+CLIENT_TIMEOUT_S = 180.0
+
+
+@dataclass
+class Deployment:
+    info: dict
+    home: Path
+    namespace: str
+    pids: dict
+
+    def actor(self, name: str):
+        return ray.get_actor(name, namespace=self.namespace)
+
+    def routing(self) -> dict:
+        return ray.get(self.actor("orchestrator").routing.remote(), timeout=30)
+
+    def client(self) -> DiscoClient:
+        return DiscoClient(self.info["orchestrator"], timeout=CLIENT_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def deployment(tiny_pair_dirs, tmp_path_factory):
+    home = tmp_path_factory.mktemp("ray_home")
+    namespace = f"disco-test-{uuid.uuid4().hex[:8]}"
+    info = up(UpConfig(target=str(tiny_pair_dirs["target"]), draft=str(tiny_pair_dirs["draft"]), dtype="float32",
+                       namespace=namespace, target_replicas=2, port=0), home)
+    deployment = Deployment(info, home, namespace, {})
+    yield deployment
+    if ray.is_initialized():  # a test failed before test_down_removes_everything
+        down(None, namespace, home)
+
+
+@pytest.fixture(scope="module")
+def reference(target_model, tokenizer):
+    """Target-only greedy output per prompt and length: what every run must produce."""
+    generator = local_generator(target_model, None, tokenizer)
+
+    def tokens(prompt: str, max_new_tokens: int) -> list[int]:
+        params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+        return generator.generate(tokenizer(prompt)["input_ids"], params, SpeculationConfig(policy="none")).token_ids
+
+    return tokens
+
+
+def wait_until(condition, timeout_s: float = RESTART_TIMEOUT_S, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def describe(deployment: Deployment, name: str) -> dict | None:
+    try:
+        return ray.get(deployment.actor(name).describe.remote(), timeout=10)
+    except (ray.exceptions.RayError, ValueError):
+        return None  # restarting
+
+
+def test_up_starts_every_actor_and_status_lists_them(deployment):
+    info = deployment.info
+    assert len(info["target"]) == 2 and len(info["draft"]) == 1 and info["orchestrator"]
+    assert info["placement"] == "SPREAD"  # one node: STRICT_SPREAD is impossible
+    report = status(None, deployment.namespace, deployment.home)
+    actors = {actor["name"]: actor for actor in report["actors"]}
+    assert set(actors) == {"draft-0", "target-0", "target-1", "orchestrator"}
+    for name, actor in actors.items():
+        assert actor["health"] == "SERVING" and actor["node_ip"] and not actor["restarted"], actor
+        if name != "orchestrator":
+            assert actor["resources"] == {"CPU": 1.0} and actor["model"]["dtype"] == "float32"
+    assert sorted(actors[n]["address"] for n in ("target-0", "target-1")) == sorted(info["target"])
+    assert report["orchestrator"] == info["orchestrator"]
+    assert report["placement_group"]["strategy"] == "SPREAD" and report["placement_group"]["state"] == "CREATED"
+    deployment.pids.update({name: actor["pid"] for name, actor in actors.items()})
+
+
+def test_generation_through_the_orchestrator_is_token_identical(deployment, reference, capsys):
+    with deployment.client() as client:
+        for prompt, policy in zip(PROMPTS, ("static:3", "heuristic:2", "confidence:0.4")):
+            result = client.generate(prompt, policy=policy, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+            assert result.token_ids == reference(prompt, NEW_TOKENS), policy
+            assert result.stats["draft_tokens"] > 0
+    # `disco generate --server ADDR` against the Ray deployment
+    code = main(["generate", "--server", deployment.info["orchestrator"], "--prompt", PROMPTS[0],
+                 "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos", "--json"])
+    assert code == 0 and json.loads(capsys.readouterr().out)["token_ids"] == reference(PROMPTS[0], NEW_TOKENS)
+
+
+def test_concurrent_sessions_spread_over_both_target_replicas(deployment, reference):
+    from concurrent.futures import ThreadPoolExecutor
+
+    before = [replica["sessions"] for replica in deployment.routing()["target"]]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(4)]
+
+    def run(prompt):
+        with deployment.client() as client:
+            return client.generate(prompt, policy="static:2", max_new_tokens=NEW_TOKENS, ignore_eos=True)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(run, prompts))
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == reference(prompt, NEW_TOKENS)
+    after = [replica["sessions"] for replica in deployment.routing()["target"]]
+    placed = [a - b for a, b in zip(after, before)]
+    assert sum(placed) == 4 and min(placed) >= 1, placed  # least-loaded: both replicas serve
+
+
+def kill_mid_generation(deployment: Deployment, name_of, prompt: str):
+    """Stream a long request, kill an actor after the first chunk, return the result."""
+    with deployment.client() as client:
+        stream = client.stream(prompt, policy="static:1", max_new_tokens=LONG_TOKENS, ignore_eos=True)
+        chunks = iter(stream)
+        first = next(chunks)
+        name = name_of()
+        ray.kill(deployment.actor(name), no_restart=False)
+        rest = [chunk for chunk in chunks]
+    tokens = first.token_ids + [t for chunk in rest for t in chunk.token_ids]
+    assert tokens == stream.result.token_ids
+    return name, stream.result
+
+
+def wait_restarted(deployment: Deployment, name: str) -> dict:
+    """Ray restarted ``name`` (new process) and the orchestrator routes to it again."""
+    actor = wait_until(lambda: (d := describe(deployment, name)) and d["restarted"] and d, what=f"{name} restart")
+    assert actor["pid"] != deployment.pids[name] and actor["health"] == "SERVING"
+    role = name.split("-")[0]
+    wait_until(lambda: next(r for r in deployment.routing()[role] if r["name"] == name)["healthy"],
+               what=f"the orchestrator to route to {name} again")
+    deployment.pids[name] = actor["pid"]
+    return actor
+
+
+def test_draft_killed_mid_generation_is_restarted_and_the_request_stays_exact(deployment, reference):
+    name, result = kill_mid_generation(deployment, lambda: "draft-0", PROMPTS[1])
+    assert result.token_ids == reference(PROMPTS[1], LONG_TOKENS)
+    # No other draft replica: the request went on target-only (exact: the target decides every token).
+    assert result.stats["draft_fallbacks"] == 1
+    assert next(r for r in deployment.routing()["draft"] if r["name"] == name)["failures"] == 1
+    restarted = wait_restarted(deployment, name)
+    assert restarted["address"] not in deployment.info["draft"]  # a new process, a new port
+    with deployment.client() as client:  # the next request drafts on the restarted replica
+        again = client.generate(PROMPTS[1], policy="static:3", max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    assert again.token_ids == reference(PROMPTS[1], NEW_TOKENS)
+    assert again.stats["draft_tokens"] > 0 and again.stats["draft_fallbacks"] == 0
+
+
+def test_target_killed_mid_generation_moves_the_session_and_stays_exact(deployment, reference):
+    def busy_target() -> str:
+        return next(r["name"] for r in deployment.routing()["target"] if r["active"] == 1)
+
+    before = {r["name"]: r for r in deployment.routing()["target"]}
+    name, result = kill_mid_generation(deployment, busy_target, PROMPTS[0])
+    assert result.token_ids == reference(PROMPTS[0], LONG_TOKENS)
+    after = {r["name"]: r for r in deployment.routing()["target"]}
+    (other,) = set(after) - {name}
+    assert after[name]["failures"] == before[name]["failures"] + 1
+    assert after[other]["sessions"] == before[other]["sessions"] + 1  # re-prefilled on the other replica
+    wait_restarted(deployment, name)
+
+
+def test_every_target_killed_the_session_waits_for_a_restart(deployment, reference):
+    def kill_both() -> str:
+        busy = next(r["name"] for r in deployment.routing()["target"] if r["active"] == 1)
+        idle = next(n for n in ("target-0", "target-1") if n != busy)
+        ray.kill(deployment.actor(idle), no_restart=False)  # no healthy replica to move to
+        return busy
+
+    name, result = kill_mid_generation(deployment, kill_both, PROMPTS[2])
+    assert result.token_ids == reference(PROMPTS[2], LONG_TOKENS)  # re-prefilled on a restarted replica
+    for target in ("target-0", "target-1"):
+        wait_restarted(deployment, target)
+
+
+def test_down_removes_everything(deployment):
+    report = down(None, deployment.namespace, deployment.home)
+    assert sorted(report["removed"]) == ["draft-0", "orchestrator", "target-0", "target-1"]
+    assert report["remaining"] == [] and not report["placement_group_left"] and report["ray_head_stopped"]
+    assert not ray.is_initialized()
+    assert not (deployment.home / "ray" / f"{deployment.namespace}.json").exists()
+    wait_until(lambda: not any(alive(pid) for pid in deployment.pids.values()), 60.0, "the actor processes to exit")
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] != "Z"
+    except OSError:
+        return False
