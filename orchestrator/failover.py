@@ -101,7 +101,10 @@ class _StickySession:
                 return result
             except RETRYABLE as failure:
                 error = failure
-                if self.scope.cancelled or self._replica is None:  # cancelled, or no replica to place on
+                deadline_passed = self.scope.deadline is not None and time.monotonic() >= self.scope.deadline
+                if self.scope.cancelled or deadline_passed or self._replica is None:
+                    # Cancelled or out of time (not a replica failure), or no replica to place
+                    # on: keep the placement so the loop's end_session frees the backend session.
                     raise
                 logger.warning("%s session %s lost on %s (%s); re-prefilling it", self.replicas.role,
                                self.session_id, self._replica.name, failure)
