@@ -45,14 +45,11 @@ class PromptItem:
 
     def encode(self, tokenizer) -> list[int]:
         """Token ids as the model sees them (chat template applied to ``messages``)."""
-        from disco.pipeline import encode_prompt  # noqa: PLC0415 - keeps this module light
+        from disco.pipeline import encode_chat, encode_prompt  # noqa: PLC0415 - keeps this module light
 
         if self.messages is not None:
-            if not getattr(tokenizer, "chat_template", None):
-                raise InvalidRequest(f"prompt {self.id!r} is a chat, but the tokenizer has no chat template")
-            encoded = tokenizer.apply_chat_template(list(self.messages), add_generation_prompt=True, tokenize=True)
-            ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
-            return [int(i) for i in ids]
+            return encode_chat(tokenizer, self.messages,
+                               f"prompt {self.id!r} is a chat, but the tokenizer has no chat template")
         return encode_prompt(tokenizer, self.prompt or "", chat=False)
 
 

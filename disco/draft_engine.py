@@ -126,9 +126,14 @@ class DraftEngine:
             for position in range(budget):
                 logits, hidden = self.batcher.forward(sequence, 1, want_hidden=policy.needs_hidden)
                 forwards += 1
-                token = self._choose(session, logits[0])
-                signals = token_signals(logits[0], token.token_id, hidden[0] if hidden is not None else None) \
-                    if policy.needs_signals else None
+                signals = None
+                if policy.needs_signals:  # one softmax serves both the signals and the token's probability
+                    token = self._choose(session, logits[0], want_prob=False)
+                    signals = token_signals(logits[0], token.token_id, hidden[0] if hidden is not None else None)
+                    if session.sampling.is_greedy:
+                        token = DraftToken(token_id=token.token_id, draft_prob=signals.token_prob)
+                else:
+                    token = self._choose(session, logits[0])
                 decision = policy.after_token(position, token.token_id, signals)
                 if decision is Decision.DISCARD:
                     stop_reason = "discarded"
@@ -145,10 +150,14 @@ class DraftEngine:
             session.lock.release()
 
     @staticmethod
-    def _choose(session: DraftSession, logits: torch.Tensor) -> DraftToken:  # logits: [vocab]
+    def _choose(session: DraftSession, logits: torch.Tensor,  # logits: [vocab]
+                want_prob: bool = True) -> DraftToken:
+        """Greedy: the argmax (its probability only if ``want_prob``; the caller may take it
+        from the signals instead). Sampling: a token from the warped distribution."""
         if session.sampling.is_greedy:
             token_id = int(logits.argmax())
-            return DraftToken(token_id=token_id, draft_prob=float(torch.softmax(logits, -1)[token_id]))
+            prob = float(torch.softmax(logits, -1)[token_id]) if want_prob else float("nan")
+            return DraftToken(token_id=token_id, draft_prob=prob)
         draft_probs = logits_to_probs(logits, session.sampling)  # [vocab]
         token_id = int(torch.multinomial(draft_probs, 1, generator=session.generator).item())
         return DraftToken(token_id=token_id, draft_prob=float(draft_probs[token_id]), draft_probs=draft_probs)

@@ -42,13 +42,18 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, chat: bool) -
     if not prompt or not prompt.strip():
         raise InvalidRequest("prompt is empty")
     if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise InvalidRequest("--chat needs a tokenizer with a chat template, and this one has none")
-        encoded = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
-        ids = encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded
-        return list(ids)
+        return encode_chat(tokenizer, [{"role": "user", "content": prompt}],
+                           "--chat needs a tokenizer with a chat template, and this one has none")
     return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+
+def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict], no_template_error: str) -> list[int]:
+    """Token ids of a chat with the tokenizer's chat template and the assistant turn opened."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequest(no_template_error)
+    encoded = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+    return [int(i) for i in ids]
 
 
 def default_learned_loader(draft: LoadedModel | None = None) -> LearnedPolicyLoader | None:

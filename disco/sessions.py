@@ -34,9 +34,7 @@ class SessionStore(Generic[SessionT]):
             self._expire_locked()
             if session_id in self._sessions:
                 raise InvalidRequest(f"session {session_id!r} already exists")
-            if len(self._sessions) >= self._limits.max_sessions:
-                raise ResourceExhausted(
-                    f"too many active sessions ({self._limits.max_sessions}); retry later")
+            self._check_capacity_locked()
             self._sessions[session_id] = (session, self._clock())
 
     def check_capacity(self) -> None:
@@ -44,9 +42,11 @@ class SessionStore(Generic[SessionT]):
         before expensive work; :meth:`add` checks again)."""
         with self._lock:
             self._expire_locked()
-            if len(self._sessions) >= self._limits.max_sessions:
-                raise ResourceExhausted(
-                    f"too many active sessions ({self._limits.max_sessions}); retry later")
+            self._check_capacity_locked()
+
+    def _check_capacity_locked(self) -> None:
+        if len(self._sessions) >= self._limits.max_sessions:
+            raise ResourceExhausted(f"too many active sessions ({self._limits.max_sessions}); retry later")
 
     def get(self, session_id: str) -> SessionT:
         with self._lock:
