@@ -18,6 +18,7 @@ every session's greedy tokens equal its run alone.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -29,7 +30,7 @@ from disco.kv import CachedSequence
 @dataclass
 class _Request:
     sequence: CachedSequence
-    num_logits: int
+    num_logits: int  # 0: a prefill (feed all tokens but the last, no logits)
     want_hidden: bool
     done: threading.Event = field(default_factory=threading.Event)
     result: tuple[torch.Tensor, torch.Tensor | None] | None = None
@@ -44,23 +45,36 @@ class ForwardBatcher:
     of its own, so nothing to start or stop.
     """
 
-    def __init__(self, model: torch.nn.Module, max_batch: int = 16) -> None:
+    def __init__(self, model: torch.nn.Module, max_batch: int = 16, max_wait_s: float = 0.02,
+                 wait_fraction: float = 0.05) -> None:
         self.model = model
         self.max_batch = max(1, max_batch)
-        self.model_lock = threading.Lock()  # one forward on the model at a time (prefill too)
-        self._queue_lock = threading.Lock()
+        self.max_wait_s = max_wait_s
+        self.wait_fraction = wait_fraction
+        self.model_lock = threading.Lock()  # one forward on the model at a time
+        self._queue = threading.Condition(threading.Lock())
         self._pending: list[_Request] = []
         self._leading = False
+        self._round: set[int] = set()  # ids of the sequences served in the current round
+        self._round_size = 1  # sessions in the last complete round: the batch to wait for
+        self._last_forward_s = 0.0
         self.batch_sizes: list[int] = []  # observability: size of every batch run (bounded)
+
+    def prefill(self, sequence: CachedSequence) -> None:
+        """:meth:`CachedSequence.prefill`, batched with concurrent prefills and forwards."""
+        if len(sequence.tokens) - 1 > sequence.cache_len:
+            self.forward(sequence, 0)
 
     def forward(self, sequence: CachedSequence, num_logits: int,
                 want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Same contract as :meth:`CachedSequence.forward` (logits ``[num_logits, vocab]``)."""
+        """Same contract as :meth:`CachedSequence.forward` (logits ``[num_logits, vocab]``);
+        ``num_logits=0`` prefills instead (see :meth:`prefill`) and returns empty logits."""
         request = _Request(sequence, num_logits, want_hidden)
-        with self._queue_lock:
+        with self._queue:
             self._pending.append(request)
             lead = not self._leading
             self._leading = self._leading or lead
+            self._queue.notify_all()
         if lead:
             self._lead()
         request.done.wait()
@@ -71,22 +85,46 @@ class ForwardBatcher:
 
     def _lead(self) -> None:
         while True:
-            with self._queue_lock:
+            with self._queue:
+                self._await_peers()
                 batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch:]
                 if not batch:
                     self._leading = False
                     return
             self._run(batch)
 
+    def _await_peers(self) -> None:
+        """Wait (queue lock held) for as many requests as the last batch had, bounded."""
+        expected = min(self._round_size, self.max_batch)
+        window_s = min(self.max_wait_s, self.wait_fraction * self._last_forward_s)
+        if not self._pending or len(self._pending) >= expected or window_s <= 0:
+            return
+        deadline = time.monotonic() + window_s
+        while len(self._pending) < expected:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self._queue.wait(remaining)
+
+    def _count_round(self, served: set[int]) -> None:
+        with self._queue:
+            if served & self._round:  # a session is back: the round is complete
+                self._round_size, self._round = len(self._round), served
+            else:
+                self._round |= served
+                self._round_size = max(self._round_size, len(self._round))
+
     def _run(self, batch: list[_Request]) -> None:
         try:
+            started = time.perf_counter()
             with self.model_lock:
-                if len(batch) == 1 or any(r.sequence.cache_len == 0 for r in batch):
-                    for request in batch:  # NOTE: empty caches (1-token prompts) are rare: run alone
-                        request.result = request.sequence.forward(request.num_logits, request.want_hidden)
+                if len(batch) == 1:
+                    _forward_alone(batch[0])
                 else:
                     for request, result in zip(batch, _padded_forward(self.model, batch)):
                         request.result = result
+            self._last_forward_s = time.perf_counter() - started
+            self._count_round({id(request.sequence) for request in batch})
             self.batch_sizes = (self.batch_sizes + [len(batch)])[-1000:]
         except BaseException as error:  # noqa: BLE001 - handed to every waiting caller
             for request in batch:
@@ -96,25 +134,47 @@ class ForwardBatcher:
                 request.done.set()
 
 
+def _forward_alone(request: _Request) -> None:
+    sequence = request.sequence
+    if request.num_logits == 0:
+        sequence.prefill()
+        request.result = (torch.empty(0), None)
+    else:
+        request.result = sequence.forward(request.num_logits, request.want_hidden)
+
+
+def _pending_tokens(request: _Request) -> list[int]:
+    """What the forward feeds: every pending token, or all but the last for a prefill."""
+    sequence = request.sequence
+    end = len(sequence.tokens) - 1 if request.num_logits == 0 else len(sequence.tokens)
+    return sequence.tokens[sequence.cache_len: end]
+
+
 @torch.inference_mode()
 def _padded_forward(model: torch.nn.Module, batch: list[_Request]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     sequences = [r.sequence for r in batch]
     device = sequences[0].device
     cache_lens = [s.cache_len for s in sequences]
-    pending = [s.tokens[s.cache_len:] for s in sequences]
+    pending = [_pending_tokens(r) for r in batch]
     max_cache, max_new = max(cache_lens), max(len(p) for p in pending)
     size = len(batch)
 
-    # 1. Left-pad every session's cache to max_cache.
+    # 1. Left-pad every session's cache to max_cache (an empty cache is all padding).
     batched_cache = DynamicCache(config=model.config)
-    for layer_index in range(len(sequences[0].cache.layers)):
-        keys, values = [], []
-        for sequence in sequences:
-            layer = sequence.cache.layers[layer_index]
-            pad = max_cache - sequence.cache_len
-            keys.append(torch.nn.functional.pad(layer.keys, (0, 0, pad, 0)))
-            values.append(torch.nn.functional.pad(layer.values, (0, 0, pad, 0)))
-        batched_cache.update(torch.cat(keys), torch.cat(values), layer_index)
+    if max_cache:
+        filled = next(s for s in sequences if s.cache_len)
+        for layer_index, template in enumerate(filled.cache.layers):
+            keys, values = [], []
+            for sequence in sequences:
+                if sequence.cache_len:
+                    layer_keys = sequence.cache.layers[layer_index].keys
+                    layer_values = sequence.cache.layers[layer_index].values
+                else:
+                    layer_keys = layer_values = template.keys[:, :, :0]  # [1, kv_heads, 0, head_dim]
+                pad = max_cache - sequence.cache_len
+                keys.append(torch.nn.functional.pad(layer_keys, (0, 0, pad, 0)))
+                values.append(torch.nn.functional.pad(layer_values, (0, 0, pad, 0)))
+            batched_cache.update(torch.cat(keys), torch.cat(values), layer_index)
 
     # 2. Right-pad the pending tokens; mask both paddings; per-session positions.
     input_ids = torch.zeros(size, max_new, dtype=torch.long, device=device)
@@ -128,12 +188,17 @@ def _padded_forward(model: torch.nn.Module, batch: list[_Request]) -> list[tuple
     # 3. One forward of the decoder; the LM head only on the positions asked for.
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  cache=batched_cache, use_cache=True).last_hidden_state  # [B, max_new, hidden]
-    head = model.get_output_embeddings()
+    # One LM-head matmul for every row asked for: the head is the largest weight matrix,
+    # reading it once per session would cost as much as a forward of a small model.
+    wanted = [hidden[row, len(tokens) - request.num_logits: len(tokens)]  # [num_logits, hidden]
+              for row, (request, tokens) in enumerate(zip(batch, pending))]
+    all_logits = model.get_output_embeddings()(torch.cat(wanted)).float()  # [Σ num_logits, vocab]
     results = []
-    for row, (request, tokens) in enumerate(zip(batch, pending)):
-        rows = hidden[row, len(tokens) - request.num_logits: len(tokens)]  # [num_logits, hidden]
-        logits = head(rows).float()
-        results.append((logits, rows.float() if request.want_hidden else None))
+    for request, rows, logits in zip(batch, wanted, all_logits.split([len(w) for w in wanted])):
+        if request.num_logits == 0:  # a prefill
+            results.append((torch.empty(0), None))
+        else:
+            results.append((logits, rows.float() if request.want_hidden else None))
 
     # 4. Give every session back exactly its own cache entries.
     for row, (sequence, cache_len, tokens) in enumerate(zip(sequences, cache_lens, pending)):
@@ -144,5 +209,5 @@ def _padded_forward(model: torch.nn.Module, batch: list[_Request]) -> list[tuple
             own.update(layer.keys[row: row + 1].index_select(2, keep),
                        layer.values[row: row + 1].index_select(2, keep), layer_index)
         sequence.cache = own
-        sequence.cache_len = len(sequence.tokens)
+        sequence.cache_len = cache_len + len(tokens)
     return results

@@ -77,8 +77,7 @@ class DraftEngine:
             sampling=sampling,
             generator=make_generator(sampling.seed),
         )
-        with self.batcher.model_lock:
-            session.sequence.prefill()
+        self.batcher.prefill(session.sequence)  # batched with concurrent prefills
         self.sessions.add(session_id, session)
         return PrefillResult(prompt_tokens=len(prompt_ids), elapsed_ns=time.perf_counter_ns() - started)
 

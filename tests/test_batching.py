@@ -1,6 +1,7 @@
 """Cross-session batching: a padded batch computes what each session computes alone."""
 
 import threading
+import time
 
 import torch
 
@@ -78,3 +79,48 @@ def test_errors_reach_the_caller(target_model):
     else:
         raise AssertionError("expected the forward's error")
     assert batcher.forward(sequence, 1)[0].shape[0] == 1  # the batcher still works
+
+
+def test_prefills_and_mixed_batches_match_each_session_alone(target_model):
+    """Prefills (no logits), a 1-token prompt (empty cache) and a decode step in one batch."""
+    prompts = ([5, 9, 11, 40, 7, 3], [8], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    alone = [CachedSequence(target_model, p) for p in prompts]
+    for sequence in alone:
+        sequence.prefill()
+    expected = [sequence.forward(1)[0] for sequence in alone]
+
+    batched = [CachedSequence(target_model, p) for p in prompts]
+    decoding = CachedSequence(target_model, [4, 4, 2])
+    decoding.prefill()
+    results = _padded_forward(target_model, [_Request(batched[0], 0, False), _Request(batched[2], 0, False),
+                                             _Request(decoding, 1, False)])
+    assert results[0][0].numel() == 0 and results[1][0].numel() == 0
+    assert [s.cache_len for s in batched] == [5, 0, 9] and decoding.cache_len == 3
+    # Next step: the 1-token prompt (empty cache) batched with the two prefilled sessions.
+    results = _padded_forward(target_model, [_Request(s, 1, False) for s in batched])
+    for (logits, _), expected_logits, sequence in zip(results, expected, batched):
+        torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
+        assert sequence.cache_len == len(sequence.tokens) == sequence.cache.get_seq_length()
+
+
+def test_window_gathers_peers_that_come_back_a_little_later(target_model):
+    """After a batch of 4, the next step waits briefly for all 4 instead of running 1 + 3."""
+    batcher = ForwardBatcher(target_model, max_wait_s=0.5, wait_fraction=1e6)
+    sequences = [CachedSequence(target_model, [3 + i, 7, 9 + i]) for i in range(4)]
+    barrier = threading.Barrier(4)
+
+    def worker(index):
+        batcher.prefill(sequences[index])
+        for step in range(3):
+            barrier.wait()
+            time.sleep(0.02 * index)  # staggered returns, well inside the window
+            sequences[index].tokens.append(11 + step)
+            batcher.forward(sequences[index], 1)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    # the first step may split (no batch of 4 seen yet); afterwards every step is one batch of 4
+    assert batcher.batch_sizes[-2:] == [4, 4], batcher.batch_sizes
