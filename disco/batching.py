@@ -7,7 +7,18 @@ one forward pass: the session caches are left-padded to a common length, the pen
 tokens right-padded, an attention mask hides the padding and explicit position ids keep
 each session's RoPE positions; afterwards each session gets back exactly its own cache
 entries. A lone request takes the unbatched path, so a single stream computes exactly
-what it computes without the batcher.
+what it computes without the batcher. Prefills go through the same batcher (a prefill
+feeds all prompt tokens but the last and asks for no logits), so sessions that start
+together are prefilled together; the LM head runs once over every row asked for.
+
+Batching window: the sessions of a batch come back for their next step at slightly
+different times (each has a network round trip and some bookkeeping in between).
+Without waiting, the first one back would run alone and the rest as a second batch —
+two forwards per step instead of one. So the leader waits, at most ``max_wait_s`` and
+at most ``wait_fraction`` of the last forward's duration, for as many requests as there
+were live sessions in the last *round* (the sessions served between two forwards of the
+same session). A lone stream never waits (its round has one session); a session that
+ended drops out of the round as soon as its sequence is freed.
 
 NOTE: the padded caches are copied in and out of the batch (tens of MB per step for the
 default pair at long contexts) — simple and exact; a paged KV cache would avoid the copy.
@@ -19,6 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -55,8 +67,10 @@ class ForwardBatcher:
         self._queue = threading.Condition(threading.Lock())
         self._pending: list[_Request] = []
         self._leading = False
-        self._round: set[int] = set()  # ids of the sequences served in the current round
-        self._round_size = 1  # sessions in the last complete round: the batch to wait for
+        # Sequences served in the current and in the last complete round (weak: an ended
+        # session's sequence is freed and leaves them); their count is the batch to wait for.
+        self._round: weakref.WeakSet[CachedSequence] = weakref.WeakSet()
+        self._last_round: weakref.WeakSet[CachedSequence] = weakref.WeakSet()
         self._last_forward_s = 0.0
         self.batch_sizes: list[int] = []  # observability: size of every batch run (bounded)
 
@@ -95,7 +109,7 @@ class ForwardBatcher:
 
     def _await_peers(self) -> None:
         """Wait (queue lock held) for as many requests as the last batch had, bounded."""
-        expected = min(self._round_size, self.max_batch)
+        expected = min(len(self._last_round | self._round), self.max_batch)
         window_s = min(self.max_wait_s, self.wait_fraction * self._last_forward_s)
         if not self._pending or len(self._pending) >= expected or window_s <= 0:
             return
@@ -106,13 +120,12 @@ class ForwardBatcher:
                 return
             self._queue.wait(remaining)
 
-    def _count_round(self, served: set[int]) -> None:
+    def _count_round(self, served: list[CachedSequence]) -> None:
         with self._queue:
-            if served & self._round:  # a session is back: the round is complete
-                self._round_size, self._round = len(self._round), served
+            if any(sequence in self._round for sequence in served):  # one is back: the round is complete
+                self._last_round, self._round = self._round, weakref.WeakSet(served)
             else:
-                self._round |= served
-                self._round_size = max(self._round_size, len(self._round))
+                self._round.update(served)
 
     def _run(self, batch: list[_Request]) -> None:
         try:
@@ -124,7 +137,7 @@ class ForwardBatcher:
                     for request, result in zip(batch, _padded_forward(self.model, batch)):
                         request.result = result
             self._last_forward_s = time.perf_counter() - started
-            self._count_round({id(request.sequence) for request in batch})
+            self._count_round([request.sequence for request in batch])
             self.batch_sizes = (self.batch_sizes + [len(batch)])[-1000:]
         except BaseException as error:  # noqa: BLE001 - handed to every waiting caller
             for request in batch:

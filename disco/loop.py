@@ -169,6 +169,7 @@ class SpeculativeGenerator:
                                                     1, sampling.max_new_tokens - len(generated))))
                     verdict = self.verifier.verify(session_id, draft_ids, block_probs)
                 stats.verify_s += time.perf_counter() - verify_started
+                stats.backend_verify_s += verdict.elapsed_ns / 1e9
                 stats.record_iteration(len(draft_ids), verdict.num_accepted)
                 feedback = Feedback(verdict.num_accepted, verdict.bonus_token_id)
                 # 4. Accept: the accepted prefix plus the bonus token, then EOS/stop/length.
@@ -215,6 +216,7 @@ class SpeculativeGenerator:
         for event in self.drafter.draft(session_id, feedback, lookahead_cap):
             if isinstance(event, DraftSummary):
                 stats.draft_forwards += event.forwards
+                stats.backend_draft_s += event.elapsed_ns / 1e9
             else:
                 draft_ids.append(event.token_id)
                 if event.draft_probs is not None:

@@ -30,6 +30,10 @@ class RequestStats:
     finish_reason: str = ""
     draft_fallbacks: int = 0  # times the draft service failed and the request went on target-only
     target_reprefills: int = 0  # times the target session was re-created from the loop's tokens
+    # Of draft_s / verify_s: the time the drafter / verifier itself reported (server-side
+    # timings over gRPC); the rest is what the transport and the loop added.
+    backend_draft_s: float = 0.0
+    backend_verify_s: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -38,6 +42,11 @@ class RequestStats:
     @property
     def tokens_per_s(self) -> float:
         return self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def transport_s(self) -> float:
+        """Time of the Draft and Verify calls that the backends did not account for."""
+        return self.draft_s + self.verify_s - self.backend_draft_s - self.backend_verify_s
 
     @property
     def mean_lookahead(self) -> float:
@@ -59,7 +68,7 @@ class RequestStats:
         data["acceptance_rate"] = round(self.acceptance_rate, 6)
         data["tokens_per_s"] = round(self.tokens_per_s, 4)
         data["mean_lookahead"] = round(self.mean_lookahead, 4)
-        for key in ("prefill_s", "draft_s", "verify_s", "wall_s"):
+        for key in ("prefill_s", "draft_s", "verify_s", "wall_s", "backend_draft_s", "backend_verify_s"):
             data[key] = round(data[key], 6)
         return data
 

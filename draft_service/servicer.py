@@ -7,7 +7,7 @@ Domain errors raised by the engine become status codes in
 from __future__ import annotations
 
 import time
-from contextlib import closing
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 import grpc
@@ -15,6 +15,7 @@ import grpc
 from disco.draft_engine import DraftEngine
 from disco.models import LoadedModel
 from disco.sessions import SessionLimits
+from draft_service.run_ahead import run_ahead
 from protos import convert
 from protos.disco.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from protos.metrics import ServerMetrics
@@ -33,6 +34,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.max_prompt_tokens = max_prompt_tokens  # applies to re-prefills too (prompt + tokens so far)
         self.metrics = metrics or ServerMetrics("draft", loaded.name)
         self.metrics.track_sessions(engine.active_sessions, limits.max_sessions)
+        # Draft streams draft on these threads, ahead of the gRPC thread sending each token.
+        self.drafting_threads = ThreadPoolExecutor(max_workers=limits.max_sessions + 1,
+                                                   thread_name_prefix="drafting")
 
     def StartSession(self, request: draft_pb2.StartDraftSessionRequest,
                      context: grpc.ServicerContext) -> common_pb2.StartSessionResponse:
@@ -48,11 +52,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def Draft(self, request: draft_pb2.DraftRequest, context: grpc.ServicerContext) -> Iterator[draft_pb2.DraftEvent]:
         started = time.perf_counter_ns()
         feedback = convert.feedback_from_pb(request.feedback) if request.HasField("feedback") else None
-        # closing(): a cancelled stream closes the engine's block generator, which
-        # releases the session for the next Draft call.
-        with closing(self.engine.draft(request.session_id, feedback, request.max_lookahead)) as events:
-            for event in events:
-                yield convert.draft_event_to_pb(event, convert.elapsed_ns(started))
+        events = self.engine.draft(request.session_id, feedback, request.max_lookahead)
+        # Drafting runs ahead of sending (see run_ahead); a cancelled stream closes the
+        # engine's block generator, which releases the session for the next Draft call.
+        yield from run_ahead(events, lambda event: convert.draft_event_to_pb(event, convert.elapsed_ns(started)),
+                             self.drafting_threads)
 
     def EndSession(self, request: common_pb2.EndSessionRequest,
                    context: grpc.ServicerContext) -> common_pb2.EndSessionResponse:

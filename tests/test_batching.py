@@ -124,3 +124,21 @@ def test_window_gathers_peers_that_come_back_a_little_later(target_model):
         thread.join(timeout=60)
     # the first step may split (no batch of 4 seen yet); afterwards every step is one batch of 4
     assert batcher.batch_sizes[-2:] == [4, 4], batcher.batch_sizes
+
+
+def test_a_lone_stream_does_not_wait_for_sessions_that_ended(target_model):
+    batcher = ForwardBatcher(target_model, max_wait_s=2.0, wait_fraction=1e6)
+    burst = [CachedSequence(target_model, [3 + i, 7, 9]) for i in range(3)]
+    threads = [threading.Thread(target=lambda s=s: [batcher.prefill(s), batcher.forward(s, 1)]) for s in burst]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    del burst, threads  # the sessions ended: their sequences are freed
+    lone = CachedSequence(target_model, [5, 6, 7])
+    batcher.prefill(lone)
+    started = time.monotonic()
+    for step in range(3):
+        lone.tokens.append(8 + step)
+        batcher.forward(lone, 1)
+    assert time.monotonic() - started < 1.0  # no 2 s window spent waiting for the ended sessions

@@ -37,3 +37,16 @@ def test_bench_end_to_end(tiny_pair_dirs, tiny_dataset, tmp_path, capsys):
     for name in ("bench.md", "bench.csv", "bench.json", "speedup.png", "lookahead_trace.png", "lookahead_hist.png"):
         assert (report_dir / name).stat().st_size > 0, name
     assert "| policy |" in capsys.readouterr().out
+
+
+def test_bench_transport_reports_overhead_and_transport_time(tiny_pair_dirs, capsys):
+    code = main(["bench-transport", "--target", str(tiny_pair_dirs["target"]), "--draft", str(tiny_pair_dirs["draft"]),
+                 "--dtype", "float32", "--limit", "2", "--repeats", "1", "--max-new-tokens", "10", "--json"])
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["runs"] == 2 and summary["iterations"] > 0
+    assert summary["identical_rate"] == 1.0  # float32: the services return the in-process tokens
+    # the remote calls took longer than the services' own timings of them: that is the transport
+    assert summary["transport_ms_per_iteration"] > 0
+    assert 0 <= summary["in_process_bookkeeping_ms_per_iteration"] < summary["transport_ms_per_iteration"]
+    assert summary["tokens_per_s_ratio"] > 0 and summary["engine_time_ratio"] > 0
