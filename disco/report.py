@@ -60,7 +60,8 @@ def paper_report(test: RecordSet, tune: RecordSet, cost: CostModel, artifact=Non
             artifact = _copy(artifact)
             retune(artifact, tune, cost, max_lookahead)
         disco_threshold = artifact.threshold
-        disco_name = f"disco ({artifact.classifier.kind}, {artifact.label}, t={disco_threshold:.2f})"
+        disco_name = (f"disco ({artifact.classifier.kind}, {artifact.label}, {artifact.rule}, "
+                      f"t={disco_threshold:.3g})")
         builders[disco_name] = lambda record, a=artifact: a.policy()
     builders["oracle"] = "oracle"
     rows = _rows(test, builders, cost, max_lookahead)

@@ -3,16 +3,19 @@
 1. **Examples.** Reference policies are replayed on the training records
    (:mod:`disco.replay`) with an observer that runs the SAME
    :class:`~disco.features.FeatureExtractor` as the live policy; every draft token gives
-   one feature vector and two labels: ``current`` (this token is accepted) and ``next``
-   (the next draft token would be). Tokens replayed beyond the records' horizon (proxy
-   signals) are left out. After a first fit, one DAgger round replays the DISCO policy
-   itself and adds its own states, so the session/block features match what it sees live.
+   one feature vector and three labels: ``current`` (the block so far, this token
+   included, is accepted), ``next`` (so is the next draft token) and ``conditional``
+   (this token is accepted; only for tokens whose block prefix was accepted, -1 else).
+   Tokens replayed beyond the records' horizon (proxy signals) are left out. After a
+   first fit, one DAgger round replays the DISCO policy itself and adds its own states,
+   so the session/block features match what it sees live.
 2. **Classifiers** (scikit-learn): logistic regression, a small MLP and histogram
    gradient boosting, each calibrated (Platt scaling of its cross-validated raw score,
    folds grouped by prompt) and compiled to plain arrays
    (:class:`~disco.policies.learned.CompiledClassifier`).
-3. **Choice and threshold by replay speed on the validation split**: for every
-   (classifier, label) the stop threshold is swept on validation replay under the cost
+3. **Choice and threshold by replay speed** (cross-validated over train + validation, or
+   on the validation split): for every (classifier, label, decision rule — see
+   :mod:`disco.policies.stop_rules`) the stop threshold is swept by replay under the cost
    model; the winner is the highest simulated speedup (of a 3-point moving average over
    the threshold grid, so a lone lucky threshold does not win) — not the best accuracy.
    ``disco tune`` repeats the sweep for another cost model without retraining.
@@ -37,6 +40,7 @@ from disco.errors import InvalidRequest
 from disco.features import DEFAULT_GROUPS, FEATURE_VERSION, FeatureExtractor, FeatureSpec, Projection
 from disco.oracle_records import OracleRecord, RecordSet
 from disco.policies.learned import CompiledClassifier, DiscoArtifact, LABELS
+from disco.policies.stop_rules import RULES, candidates, threshold_grid
 from disco.replay import (DEFAULT_REPLAY_LOOKAHEAD, PolicyReplay, replay_policy, summarize,
                           target_only_seconds)
 from disco.signals import TokenSignals
@@ -45,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 KINDS = ("logreg", "mlp", "gbm")
 REFERENCE_POLICIES = ("static:4", "static:8", "static:16", "confidence:0.3", "confidence:0.6")
-THRESHOLDS = tuple(round(0.02 * i, 2) for i in range(1, 50))
+THRESHOLDS = threshold_grid("token")
 
 
 # --- 1. examples -----------------------------------------------------------------------------------------
@@ -60,18 +64,23 @@ class ExampleCollector:
         self.rows: list[np.ndarray] = []
         self.current: list[int] = []
         self.next: list[int] = []
+        self.conditional: list[int] = []
+        self._prefix_alive = True
 
     def begin_block(self) -> None:
         self.extractor.begin_block()
+        self._prefix_alive = True
 
     def token(self, position: int, token_id: int, signals: TokenSignals, index: int, alive: bool,
               exact: bool) -> None:
         x = self.extractor.token(position, signals)
+        prefix_alive, self._prefix_alive = self._prefix_alive, alive
         if not exact:
             return
         matches = self.record.matches
         self.rows.append(x)
         self.current.append(int(alive))
+        self.conditional.append(int(alive) if prefix_alive else -1)
         self.next.append(int(alive and index + 1 < len(matches) and bool(matches[index + 1])))
 
     def feedback(self, num_drafted: int, num_accepted: int) -> None:
@@ -81,7 +90,7 @@ class ExampleCollector:
 @dataclass
 class Examples:
     x: np.ndarray  # [n, features]
-    labels: dict[str, np.ndarray]  # label name -> [n] {0, 1}
+    labels: dict[str, np.ndarray]  # label name -> [n] {0, 1}; -1: not an example of that label
     groups: np.ndarray  # [n] prompt index (for grouped folds)
 
     def __len__(self) -> int:
@@ -98,7 +107,7 @@ class Examples:
 def collect_examples(records: RecordSet, builders: dict[str, Callable], spec: FeatureSpec,
                      projection: Projection | None, max_lookahead: int) -> Examples:
     """Replay each policy (name -> per-record builder) and collect every draft token."""
-    rows, current, nxt, groups = [], [], [], []
+    rows, current, nxt, conditional, groups = [], [], [], [], []
     for name, build in builders.items():
         collectors: list[ExampleCollector] = []
         it = iter(range(len(records.records)))
@@ -113,10 +122,12 @@ def collect_examples(records: RecordSet, builders: dict[str, Callable], spec: Fe
             rows.extend(collector.rows)
             current.extend(collector.current)
             nxt.extend(collector.next)
+            conditional.extend(collector.conditional)
             groups.extend([index] * len(collector.rows))
     width = len(spec.names)
     return Examples(x=np.asarray(rows, dtype=np.float64).reshape(-1, width),
-                    labels={"current": np.asarray(current, dtype=np.int64), "next": np.asarray(nxt, dtype=np.int64)},
+                    labels={"current": np.asarray(current, dtype=np.int64), "next": np.asarray(nxt, dtype=np.int64),
+                            "conditional": np.asarray(conditional, dtype=np.int64)},
                     groups=np.asarray(groups, dtype=np.int64))
 
 
@@ -217,14 +228,15 @@ def _fit_classifier(kind: str, examples: Examples, label: str, folds: int) -> Co
     from sklearn.linear_model import LogisticRegression  # noqa: PLC0415
     from sklearn.model_selection import GroupKFold  # noqa: PLC0415
 
-    x, y = examples.x, examples.labels[label]
+    keep = examples.labels[label] >= 0
+    x, y, groups = examples.x[keep], examples.labels[label][keep], examples.groups[keep]
     if len(np.unique(y)) < 2:
         raise InvalidRequest(f"training examples have only one class for label {label!r}; use more prompts")
     base = make_estimator(kind)
     out_of_fold = np.zeros(len(y))
-    splits = min(folds, len(np.unique(examples.groups)))
+    splits = min(folds, len(np.unique(groups)))
     if splits >= 2:
-        for train_idx, test_idx in GroupKFold(n_splits=splits).split(x, y, examples.groups):
+        for train_idx, test_idx in GroupKFold(n_splits=splits).split(x, y, groups):
             if len(np.unique(y[train_idx])) < 2:
                 out_of_fold[test_idx] = 0.0
                 continue
@@ -242,8 +254,11 @@ def _fit_classifier(kind: str, examples: Examples, label: str, folds: int) -> Co
 
 
 def build_artifact(classifier: CompiledClassifier, spec: FeatureSpec, projection: Projection | None, label: str,
-                   threshold: float, metadata: dict | None = None) -> DiscoArtifact:
-    meta = {"threshold": threshold, "label": label, **(metadata or {})}
+                   threshold: float, metadata: dict | None = None, rule: str = "token",
+                   cost: CostModel | None = None) -> DiscoArtifact:
+    meta = {"threshold": threshold, "label": label, "rule": rule, **(metadata or {})}
+    if cost is not None:
+        meta["cost_model"] = cost.to_json()  # the gain rule reads it
     return DiscoArtifact(metadata=meta, classifier=classifier, spec=spec, projection=projection)
 
 
@@ -254,9 +269,10 @@ def replay_artifact(artifact: DiscoArtifact, records: RecordSet, threshold: floa
 
 
 def sweep_thresholds(artifact: DiscoArtifact, records: RecordSet, cost: CostModel, max_lookahead: int,
-                     thresholds: Sequence[float] = THRESHOLDS) -> list[dict]:
-    """Simulated speedup per threshold (predictions memoized across the sweep)."""
-    memo: dict = {}
+                     thresholds: Sequence[float] | None = None, memo: dict | None = None) -> list[dict]:
+    """Simulated speedup per threshold of the artifact's rule (predictions memoized)."""
+    memo = {} if memo is None else memo
+    thresholds = threshold_grid(artifact.rule) if thresholds is None else thresholds
     baseline = target_only_seconds(records, cost)
     return [{"threshold": t, **summarize(replay_artifact(artifact, records, t, max_lookahead, memo), cost, baseline)}
             for t in thresholds]
@@ -273,7 +289,8 @@ def best_threshold(curve: list[dict]) -> tuple[float, float]:
 def auc(y: np.ndarray, p: np.ndarray) -> float:
     from sklearn.metrics import roc_auc_score  # noqa: PLC0415
 
-    return float(roc_auc_score(y, p)) if len(np.unique(y)) == 2 else float("nan")
+    keep = y >= 0
+    return float(roc_auc_score(y[keep], p[keep])) if len(np.unique(y[keep])) == 2 else float("nan")
 
 
 @dataclass
@@ -283,13 +300,17 @@ class TrainResult:
     examples: int = 0
 
 
+def _row(kind: str, label: str, rule: str, threshold: float) -> dict:
+    return {"classifier": kind, "label": label, "rule": rule, "threshold": threshold}
+
+
 def train_disco(train: RecordSet, validation: RecordSet, cost: CostModel, spec: FeatureSpec = FeatureSpec(),
                 kinds: Sequence[str] = KINDS, labels: Sequence[str] = LABELS,
                 max_lookahead: int = DEFAULT_REPLAY_LOOKAHEAD, dagger_rounds: int = 1,
                 reference_policies: Sequence[str] = REFERENCE_POLICIES, metadata: dict | None = None,
-                log: Callable[[str], None] = logger.info) -> TrainResult:
-    """Fit every (classifier, label), tune each threshold on validation replay, keep the
-    fastest; then DAgger rounds on the winner. Test data never enters here."""
+                log: Callable[[str], None] = logger.info, rules: Sequence[str] = RULES) -> TrainResult:
+    """Fit every (classifier, label), tune each rule's threshold on validation replay, keep
+    the fastest; then DAgger rounds on the winner. Test data never enters here."""
     started = time.perf_counter()
     projection = fit_projection(train, spec.hidden_dims) if spec.needs_hidden else None
     examples = collect_examples(train, reference_builders(train, reference_policies), spec, projection, max_lookahead)
@@ -299,39 +320,32 @@ def train_disco(train: RecordSet, validation: RecordSet, cost: CostModel, spec: 
         f"{len(val_examples)} validation examples, {len(spec.names)} features")
     table: list[dict] = []
     best: tuple[float, DiscoArtifact] | None = None
+
+    def evaluate(kind: str, label: str, rule_names: Sequence[str], round_: int, fitted_on: Examples) -> None:
+        nonlocal best
+        classifier, memo = fit_classifier(kind, fitted_on, label), {}
+        val_auc = round(auc(val_examples.labels[label], classifier.probability_batch(val_examples.x)), 4)
+        for rule in rule_names:
+            artifact = build_artifact(classifier, spec, projection, label, 0.5, rule=rule, cost=cost)
+            threshold, speedup = best_threshold(sweep_thresholds(artifact, validation, cost, max_lookahead, memo=memo))
+            artifact.metadata["threshold"] = threshold
+            table.append({**_row(kind, label, rule, threshold), "val_speedup": round(speedup, 4), "val_auc": val_auc,
+                          "round": round_})
+            log(f"  {'DAgger round %d: ' % round_ if round_ else ''}{kind:<7} {label:<11} {rule:<10} threshold "
+                f"{threshold:.4g}: validation speedup {speedup:.4f}x, AUC {val_auc:.3f}")
+            if best is None or speedup > best[0] or (round_ and speedup >= best[0]):
+                best = (speedup, artifact)
+
     for kind in kinds:
         for label in labels:
-            classifier = fit_classifier(kind, examples, label)
-            artifact = build_artifact(classifier, spec, projection, label, 0.5)
-            threshold, speedup = best_threshold(sweep_thresholds(artifact, validation, cost, max_lookahead))
-            artifact.metadata["threshold"] = threshold
-            row = {"classifier": kind, "label": label, "threshold": threshold, "val_speedup": round(speedup, 4),
-                   "val_auc": round(auc(val_examples.labels[label], classifier.probability_batch(val_examples.x)), 4),
-                   "round": 0}
-            table.append(row)
-            log(f"  {kind:<7} {label:<8} threshold {threshold:.2f}: validation speedup {speedup:.4f}x, "
-                f"AUC {row['val_auc']:.3f}")
-            if best is None or speedup > best[0]:
-                best = (speedup, artifact)
+            evaluate(kind, label, [r for lb, r in candidates([label], rules)], 0, examples)
     assert best is not None
     for round_ in range(1, dagger_rounds + 1):
         chosen = best[1]
-        kind, label = chosen.classifier.kind, chosen.label
         own = collect_examples(train, {"disco": lambda record, a=chosen: a.policy()}, spec, projection,
                                max_lookahead)
         examples = Examples.concat([examples, own])
-        classifier = fit_classifier(kind, examples, label)
-        artifact = build_artifact(classifier, spec, projection, label, 0.5)
-        threshold, speedup = best_threshold(sweep_thresholds(artifact, validation, cost, max_lookahead))
-        artifact.metadata["threshold"] = threshold
-        row = {"classifier": kind, "label": label, "threshold": threshold, "val_speedup": round(speedup, 4),
-               "val_auc": round(auc(val_examples.labels[label], classifier.probability_batch(val_examples.x)), 4),
-               "round": round_}
-        table.append(row)
-        log(f"  DAgger round {round_}: {kind} {label} threshold {threshold:.2f}: validation speedup {speedup:.4f}x "
-            f"(+{len(own)} own examples)")
-        if speedup >= best[0]:
-            best = (speedup, artifact)
+        evaluate(chosen.classifier.kind, chosen.label, [chosen.rule], round_, examples)
     artifact = best[1]
     artifact.metadata.update(metadata or {})
     artifact.metadata.update({
@@ -349,13 +363,13 @@ def train_disco_cv(train: RecordSet, validation: RecordSet, cost: CostModel, spe
                    kinds: Sequence[str] = KINDS, labels: Sequence[str] = LABELS,
                    max_lookahead: int = DEFAULT_REPLAY_LOOKAHEAD, folds: int = 4,
                    reference_policies: Sequence[str] = REFERENCE_POLICIES, metadata: dict | None = None,
-                   log: Callable[[str], None] = logger.info) -> TrainResult:
-    """Like :func:`train_disco`, but (classifier, label, threshold) are chosen by
+                   log: Callable[[str], None] = logger.info, rules: Sequence[str] = RULES) -> TrainResult:
+    """Like :func:`train_disco`, but (classifier, label, rule, threshold) are chosen by
     cross-validated replay over the train + validation prompts: each fold's prompts are
     replayed with a classifier fitted on the other folds, simulated seconds are summed
     over all folds per threshold. Every prompt then informs the choice (a 6-prompt
     validation split alone is noisy), and no prompt judges a classifier it trained.
-    The final classifier is refitted on all prompts with the chosen threshold."""
+    The final classifier is refitted on all prompts with the chosen rule and threshold."""
     started = time.perf_counter()
     pool = RecordSet(meta=train.meta, records=list(train.records) + list(validation.records), path=train.path)
     projection = fit_projection(pool, spec.hidden_dims) if spec.needs_hidden else None
@@ -364,7 +378,8 @@ def train_disco_cv(train: RecordSet, validation: RecordSet, cost: CostModel, spe
     fold_of = np.arange(len(pool.records)) % folds
     log(f"{len(examples)} examples from {len(pool.records)} prompts ({examples.labels['current'].mean():.1%} "
         f"accepted), {len(spec.names)} features, {folds}-fold replay selection")
-    seconds = {(kind, label): np.zeros(len(THRESHOLDS)) for kind in kinds for label in labels}
+    pairs = candidates(labels, rules)
+    seconds = {(kind, label, rule): np.zeros(len(threshold_grid(rule))) for kind in kinds for label, rule in pairs}
     baseline = 0.0
     for fold in range(folds):
         held = RecordSet(meta=pool.meta, records=[r for r, f in zip(pool.records, fold_of) if f == fold],
@@ -373,22 +388,26 @@ def train_disco_cv(train: RecordSet, validation: RecordSet, cost: CostModel, spe
         part = Examples(x=examples.x[keep], labels={k: v[keep] for k, v in examples.labels.items()},
                         groups=examples.groups[keep])
         baseline += target_only_seconds(held, cost)
-        for kind, label in seconds:
-            artifact = build_artifact(fit_classifier(kind, part, label), spec, projection, label, 0.5)
-            memo: dict = {}
-            for i, threshold in enumerate(THRESHOLDS):
-                seconds[(kind, label)][i] += replay_artifact(artifact, held, threshold, max_lookahead, memo).seconds(cost)
+        for kind in kinds:
+            for label in dict.fromkeys(label for label, _ in pairs):
+                classifier, memo = fit_classifier(kind, part, label), {}
+                for rule in (r for lb, r in pairs if lb == label):
+                    artifact = build_artifact(classifier, spec, projection, label, 0.5, rule=rule, cost=cost)
+                    for i, threshold in enumerate(threshold_grid(rule)):
+                        replayed = replay_artifact(artifact, held, threshold, max_lookahead, memo)
+                        seconds[(kind, label, rule)][i] += replayed.seconds(cost)
     table, best = [], None
-    for (kind, label), totals in seconds.items():
-        curve = [{"threshold": t, "speedup": baseline / total} for t, total in zip(THRESHOLDS, totals)]
+    for (kind, label, rule), totals in seconds.items():
+        curve = [{"threshold": t, "speedup": baseline / total} for t, total in zip(threshold_grid(rule), totals)]
         threshold, speedup = best_threshold(curve)
-        table.append({"classifier": kind, "label": label, "threshold": threshold, "cv_speedup": round(speedup, 4)})
-        log(f"  {kind:<7} {label:<8} threshold {threshold:.2f}: cross-validated speedup {speedup:.4f}x")
+        table.append({**_row(kind, label, rule, threshold), "cv_speedup": round(speedup, 4),
+                      "cv_peak_speedup": round(max(row["speedup"] for row in curve), 4)})
+        log(f"  {kind:<7} {label:<11} {rule:<10} threshold {threshold:.4g}: cross-validated speedup {speedup:.4f}x")
         if best is None or speedup > best[0]:
-            best = (speedup, kind, label, threshold)
+            best = (speedup, kind, label, rule, threshold)
     assert best is not None
-    speedup, kind, label, threshold = best
-    artifact = build_artifact(fit_classifier(kind, examples, label), spec, projection, label, threshold)
+    speedup, kind, label, rule, threshold = best
+    artifact = build_artifact(fit_classifier(kind, examples, label), spec, projection, label, threshold, rule=rule)
     artifact.metadata.update(metadata or {})
     artifact.metadata.update({
         "cost_model": cost.to_json(), "max_lookahead": max_lookahead, "validation_speedup": round(speedup, 4),
@@ -399,15 +418,15 @@ def train_disco_cv(train: RecordSet, validation: RecordSet, cost: CostModel, spe
                      "train_prompts": len(train.records), "validation_prompts": len(validation.records),
                      "seconds": round(time.perf_counter() - started, 1)},
     })
-    log(f"  chose {kind} {label} threshold {threshold:.2f} ({speedup:.4f}x cross-validated)")
+    log(f"  chose {kind} {label} {rule} threshold {threshold:.4g} ({speedup:.4f}x cross-validated)")
     return TrainResult(artifact=artifact, table=table, examples=len(examples))
 
 
 def retune(artifact: DiscoArtifact, validation: RecordSet, cost: CostModel, max_lookahead: int) -> tuple[float, float]:
-    """New threshold for another cost model (or RTT), no retraining."""
+    """New threshold of the artifact's rule for another cost model (or RTT), no retraining."""
+    artifact.metadata["cost_model"] = cost.to_json()  # first: the gain rule prices tokens with it
     threshold, speedup = best_threshold(sweep_thresholds(artifact, validation, cost, max_lookahead))
-    artifact.metadata.update(threshold=threshold, cost_model=cost.to_json(), validation_speedup=round(speedup, 4),
-                             max_lookahead=max_lookahead)
+    artifact.metadata.update(threshold=threshold, validation_speedup=round(speedup, 4), max_lookahead=max_lookahead)
     return threshold, speedup
 
 
@@ -444,6 +463,8 @@ def run_train_command(args: argparse.Namespace, pair_records, record_config, cos
     spec = FeatureSpec(groups=groups, hidden_dims=args.hidden_dims if "hidden" in groups else 0)
     kinds = tuple(k.strip() for k in args.models.split(",") if k.strip())
     labels = LABELS if args.label == "auto" else (args.label,)
+    rules = RULES if getattr(args, "rule", "auto") == "auto" else (args.rule,)
+    candidates(labels, rules)  # refuse an impossible combination before any work
     max_lookahead = args.max_lookahead or DEFAULT_REPLAY_LOOKAHEAD
     metadata = {
         "draft": {**train.meta["draft"], "name": args.draft or "default pair draft (Qwen2.5-Coder-0.5B-Instruct)"},
@@ -455,19 +476,20 @@ def run_train_command(args: argparse.Namespace, pair_records, record_config, cos
     log = lambda line: print(line, file=sys.stderr)  # noqa: E731
     if args.select == "cv":
         result = train_disco_cv(train, validation, cost, spec, kinds, labels, max_lookahead, folds=args.folds,
-                                metadata=metadata, log=log)
+                                metadata=metadata, log=log, rules=rules)
     else:
         result = train_disco(train, validation, cost, spec, kinds, labels, max_lookahead,
-                             dagger_rounds=args.dagger_rounds, metadata=metadata, log=log)
+                             dagger_rounds=args.dagger_rounds, metadata=metadata, log=log, rules=rules)
     result.artifact.save(args.out)
     summary = {"out": str(args.out), "classifier": result.artifact.classifier.kind, "label": result.artifact.label,
-               "threshold": result.artifact.threshold,
+               "rule": result.artifact.rule, "threshold": result.artifact.threshold,
                "validation_speedup": result.artifact.metadata["validation_speedup"],
                "examples": result.examples, "features": list(spec.names), "table": result.table}
     if args.json:
         print(json.dumps(summary))
     else:
-        print(f"wrote {args.out}: {summary['classifier']} ({summary['label']}), threshold {summary['threshold']:.2f}, "
+        print(f"wrote {args.out}: {summary['classifier']} ({summary['label']}, rule {summary['rule']}), "
+              f"threshold {summary['threshold']:.4g}, "
               f"validation speedup {summary['validation_speedup']:.4f}x under {cost.source}")
     return 0
 
@@ -487,6 +509,6 @@ def run_tune_command(args: argparse.Namespace, pair_records, record_config, cost
     old = artifact.threshold
     threshold, speedup = retune(artifact, validation, cost, max_lookahead)
     artifact.save(args.out)
-    print(f"wrote {args.out}: threshold {old:.2f} -> {threshold:.2f}, validation speedup {speedup:.4f}x "
-          f"under {cost.source}")
+    print(f"wrote {args.out}: {artifact.rule} rule threshold {old:.4g} -> {threshold:.4g}, "
+          f"validation speedup {speedup:.4f}x under {cost.source}")
     return 0

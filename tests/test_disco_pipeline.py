@@ -170,3 +170,29 @@ def test_train_with_validation_selection_and_dagger(capsys, workspace, trained, 
     summary = json.loads(stdout)
     assert summary["label"] == "next" and {row["round"] for row in summary["table"]} == {0, 1}
     assert read_artifact(out).metadata["training"]["dagger_rounds"] == 1
+
+
+def test_train_and_tune_a_cumulative_rule(capsys, workspace, trained, home, tmp_path):
+    from disco.policies.stop_rules import threshold_grid
+
+    out, retuned = tmp_path / "cumulative.disco", tmp_path / "cumulative_rtt.disco"
+    code, stdout, err = run_cli(capsys, "train", "--dataset", str(workspace["dataset"]), *workspace["models"],
+                                "--max-new-tokens", "32", "--horizon", "7", "--max-lookahead", "8",
+                                "--models", "logreg", "--label", "conditional", "--rule", "cumulative",
+                                "--out", str(out), "--json")
+    assert code == 0, err
+    summary = json.loads(stdout)
+    assert summary["rule"] == "cumulative" and summary["label"] == "conditional"
+    assert [(row["label"], row["rule"]) for row in summary["table"]] == [("conditional", "cumulative")]
+    artifact = read_artifact(out)
+    assert artifact.rule == "cumulative" and artifact.threshold in threshold_grid("cumulative")
+    code, stdout, err = run_cli(capsys, "tune", "--artifact", str(out), "--out", str(retuned),
+                                "--dataset", str(workspace["dataset"]), *workspace["models"], "--max-new-tokens", "32",
+                                "--horizon", "7", "--cost-model", "orientation", "--rtt", "0.5")
+    assert code == 0, err
+    assert "cumulative rule threshold" in stdout
+    tuned = read_artifact(retuned)
+    assert tuned.rule == "cumulative" and tuned.threshold in threshold_grid("cumulative")
+    code, _, err = run_cli(capsys, "train", "--dataset", str(workspace["dataset"]), *workspace["models"],
+                           "--label", "next", "--rule", "gain", "--out", str(tmp_path / "x.disco"))
+    assert code == 2 and "need label conditional" in err

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from disco.config import SamplingParams, SpeculationConfig
+from disco.cost_model import CostModel
 from disco.features import FeatureSpec
 from disco.oracle_records import OracleRecord, RecordConfig, compute_record
 from disco.policies import PolicyFactory
@@ -24,10 +25,18 @@ def records(target_model, drafts, tokenizer):
     return tiny_records(target_model, drafts["noisy"], tokenizer)
 
 
+def rule_artifact(rule, threshold):
+    """The hand-made classifier read as P(conditional accept), under another decision rule."""
+    artifact = handmade_artifact(threshold=threshold, label="conditional")
+    artifact.metadata.update(rule=rule, cost_model=CostModel.orientation().to_json())
+    return artifact
+
+
 @pytest.fixture(scope="module")
 def artifacts():
     return {"disco:plain": handmade_artifact(threshold=0.6), "disco:hidden": handmade_artifact(HIDDEN_SPEC, 0.6),
-            "disco:next": handmade_artifact(threshold=0.7, label="next")}
+            "disco:next": handmade_artifact(threshold=0.7, label="next"),
+            "disco:cumulative": rule_artifact("cumulative", 0.5), "disco:gain": rule_artifact("gain", 1.5)}
 
 
 def factory_for(artifacts):
@@ -52,7 +61,8 @@ def test_records_are_not_degenerate(records):
     assert sum(len(r.branch_tokens) for r in records.records) > 20
 
 
-@pytest.mark.parametrize("policy", ALL_POLICIES + ("disco:plain", "disco:hidden", "disco:next"))
+@pytest.mark.parametrize("policy", ALL_POLICIES + ("disco:plain", "disco:hidden", "disco:next", "disco:cumulative",
+                                                   "disco:gain"))
 def test_replay_counts_equal_live_counts(policy, records, artifacts, target_model, drafts, tokenizer):
     factory = factory_for(artifacts)
     replayed = replay_policy(records, policy if not policy.startswith("disco") else
@@ -61,6 +71,8 @@ def test_replay_counts_equal_live_counts(policy, records, artifacts, target_mode
         live = live_stats(target_model, drafts["noisy"], tokenizer, policy, factory, prompt)
         assert replay.approx_tokens == 0
         assert counts(replay.stats) == counts(live.stats), (policy, prompt)
+    if policy in ("disco:cumulative", "disco:gain"):  # the rule really decides: blocks of several sizes
+        assert len({k for r in replayed.records for k in r.stats.lookaheads[:-1]}) > 2
 
 
 def test_features_identical_in_training_and_live(records, artifacts, target_model, drafts, tokenizer):

@@ -117,3 +117,60 @@ def test_compiled_classifier_matches_sklearn(kind):
     calibrated = _fit_classifier(kind, examples, "current", folds=3)
     p = calibrated.probability_batch(x)
     assert ((p > 0.5) == y).mean() > 0.8 and 0 < p.min() < p.max() < 1
+
+
+def test_stop_rule_statistics_and_grids():
+    from disco.policies.stop_rules import StopRule, threshold_grid
+
+    assert StopRule("token", 0.5).statistic(3, 0.4, 0.1) == 0.4
+    assert StopRule("cumulative", 0.5).statistic(3, 0.4, 0.1) == 0.1
+    orientation = StopRule("gain", 1.0, CostModel.orientation())
+    # C * p * value / (t_draft + 0 extra verify time): 0.1 * 0.4 * 0.240 / 0.090
+    assert orientation.statistic(3, 0.4, 0.1) == pytest.approx(0.1 * 0.4 * 0.240 / 0.090)
+    cpu = StopRule("gain", 1.0, CostModel(t_draft=0.1, t_verify=(0.3, 0.5, 0.8), t_rtt=0.0))
+    assert cpu.statistic(0, 0.5, 0.5) == pytest.approx(0.25 * 0.3 / (0.1 + 0.3))  # k 1 -> 2: 0.8 - 0.5
+    assert cpu.stops(0, 0.5, 0.5) and not StopRule("gain", 0.1, cpu.cost).stops(0, 0.5, 0.5)
+    cumulative = threshold_grid("cumulative")
+    assert cumulative[0] == pytest.approx(0.01) and cumulative[-1] == pytest.approx(0.95)
+    assert list(cumulative) == sorted(cumulative) and len(set(cumulative)) == len(cumulative)
+    with pytest.raises(InvalidRequest, match="cost model"):
+        StopRule("gain", 1.0)
+    with pytest.raises(InvalidRequest, match="unknown DISCO rule"):
+        threshold_grid("vibes")
+
+
+def test_disco_policy_cumulative_rule_multiplies_within_a_block():
+    from disco.policies.base import Decision
+    from tests.disco_fixtures import handmade_artifact
+
+    artifact = handmade_artifact(threshold=0.5, label="conditional")
+    assert artifact.rule == "token"  # old artifacts (no "rule" in the metadata) keep the per-token rule
+    artifact.metadata["rule"] = "cumulative"
+    policy = artifact.policy()
+    policy.begin_block(8)
+    decisions, products, product = [], [], 1.0
+    for position in range(4):
+        decisions.append(policy.after_token(position, 1, signals(0.08)))
+        product *= policy.last_probability
+        products.append(product)
+        assert policy.last_statistic == pytest.approx(product)
+    assert [d is Decision.STOP for d in decisions] == [p < 0.5 for p in products]
+    assert products[0] >= 0.5 > products[-1]  # mixed: it stops once the block's product falls
+    policy.on_feedback(4, 2)
+    policy.begin_block(8)  # a new block starts a new product
+    policy.after_token(0, 1, signals(0.08))
+    assert policy.last_statistic == pytest.approx(policy.last_probability)
+
+
+def test_conditional_label_only_counts_tokens_after_an_accepted_prefix():
+    from disco.training import ExampleCollector
+
+    class Record:
+        matches = np.array([1, 0, 1, 1], dtype=bool)
+
+    collector = ExampleCollector(Record(), FeatureSpec(), None)
+    collector.begin_block()
+    for index, alive in enumerate([True, False, False, False]):
+        collector.token(index, 1, signals(0.5), index, alive, True)
+    assert collector.current == [1, 0, 0, 0] and collector.conditional == [1, 0, -1, -1]
+    assert collector.next == [0, 0, 0, 0]

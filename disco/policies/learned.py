@@ -8,10 +8,12 @@ and the block ends when it falls below a threshold tuned for speed by replay.
 Artifact format (one file, a zip; nothing in it is ever unpickled):
 
 * ``metadata.json`` — format and feature version, feature spec and names, the label the
-  classifier predicts (``current``: this token is accepted; ``next``: the next one will
-  be), the tuned ``threshold``, the draft/target identities (weights fingerprint,
-  tokenizer hash), the cost model it was tuned for, the validation table, how it was
-  trained;
+  classifier predicts (``current``: the block so far, this token included, is accepted;
+  ``next``: so is the next token; ``conditional``: this token is accepted given the
+  previous ones were), the decision ``rule`` (``token``, ``cumulative`` or ``gain``, see
+  :mod:`disco.policies.stop_rules`; ``token`` when absent) and its tuned ``threshold``,
+  the draft/target identities (weights fingerprint, tokenizer hash), the cost model it
+  was tuned for, the validation table, how it was trained;
 * ``arrays.npz`` — the classifier compiled to plain arrays (``allow_pickle=False``):
   ``logreg`` (standardize + linear), ``mlp`` (standardize + ReLU layers) or ``gbm``
   (gradient-boosted trees as node arrays), then Platt calibration ``sigmoid(a*s + b)``
@@ -37,9 +39,11 @@ from typing import Callable
 
 import numpy as np
 
+from disco.cost_model import CostModel
 from disco.errors import InvalidRequest
 from disco.features import FeatureExtractor, FeatureSpec, Projection
 from disco.policies.base import Decision, StopPolicy
+from disco.policies.stop_rules import RULES, StopRule
 from disco.signals import TokenSignals
 
 logger = logging.getLogger(__name__)
@@ -47,7 +51,7 @@ logger = logging.getLogger(__name__)
 ARTIFACT_FORMAT = "disco-artifact"
 ARTIFACT_FORMAT_VERSION = 1
 DEFAULT_ARTIFACT = "default.disco"
-LABELS = ("current", "next")
+LABELS = ("current", "next", "conditional")
 
 
 class CompiledClassifier:
@@ -152,6 +156,17 @@ class DiscoArtifact:
     def label(self) -> str:
         return str(self.metadata.get("label", "current"))
 
+    @property
+    def rule(self) -> str:
+        return str(self.metadata.get("rule", "token"))
+
+    def stop_rule(self, threshold: float | None = None) -> StopRule:
+        """The decision rule with ``threshold`` (default: the tuned one); ``gain`` reads
+        the cost model stored in the metadata."""
+        stored = self.metadata.get("cost_model")
+        cost = CostModel.from_json(stored) if stored and self.rule == "gain" else None
+        return StopRule(self.rule, self.threshold if threshold is None else float(threshold), cost)
+
     def policy(self, threshold: float | None = None, memo: dict | None = None) -> "DiscoPolicy":
         return DiscoPolicy(self, self.threshold if threshold is None else threshold, memo)
 
@@ -218,15 +233,22 @@ def read_artifact(path: Path) -> DiscoArtifact:
         projection = Projection(mean=arrays["projection_mean"], matrix=arrays["projection_matrix"])
     if metadata.get("label", "current") not in LABELS:
         raise InvalidRequest(f"DISCO artifact {path}: unknown label {metadata.get('label')!r}")
+    if metadata.get("rule", "token") not in RULES:
+        raise InvalidRequest(f"DISCO artifact {path}: unknown rule {metadata.get('rule')!r}")
+    if metadata.get("rule") == "gain" and not metadata.get("cost_model"):
+        raise InvalidRequest(f"DISCO artifact {path}: the gain rule needs a stored cost model")
     return DiscoArtifact(metadata=metadata, classifier=classifier, spec=spec, projection=projection, path=path)
 
 
 class DiscoPolicy(StopPolicy):
-    """Stop after a draft token when the classifier's P(accept) is below the threshold.
+    """Stop after a draft token when the artifact's rule statistic is below the threshold.
 
-    ``label == "current"``: P(the token just drafted is accepted); ``"next"``: P(the next
-    draft token would be accepted). Both read the same features, computed by
-    :class:`~disco.features.FeatureExtractor` (shared with training).
+    The classifier's calibrated probability (about the artifact's label) and the block's
+    running product of it feed the :class:`~disco.policies.stop_rules.StopRule`
+    (``token``: the probability itself, the original DISCO rule; ``cumulative``: the
+    product, SpecDec++; ``gain``: the cost-aware expected gain). Features are computed by
+    :class:`~disco.features.FeatureExtractor` (shared with training); offline replay runs
+    this very class.
     """
 
     needs_signals = True
@@ -234,14 +256,18 @@ class DiscoPolicy(StopPolicy):
     def __init__(self, artifact: DiscoArtifact, threshold: float, memo: dict | None = None) -> None:
         self.artifact = artifact
         self.threshold = threshold
+        self.rule = artifact.stop_rule(threshold)
         self.needs_hidden = artifact.spec.needs_hidden
         self.features = FeatureExtractor(artifact.spec, artifact.projection)
         self.last_features: np.ndarray | None = None
         self.last_probability: float | None = None
+        self.last_statistic: float | None = None
+        self._cumulative = 1.0  # product of the block's probabilities so far
         self._memo = memo  # feature bytes -> probability (replay sweeps share one)
 
     def begin_block(self, max_lookahead: int) -> int:
         self.features.begin_block()
+        self._cumulative = 1.0
         return max_lookahead
 
     def after_token(self, position: int, token_id: int, signals: TokenSignals | None) -> Decision:
@@ -254,8 +280,10 @@ class DiscoPolicy(StopPolicy):
                 probability = self._memo[key] = self.artifact.classifier.probability(x)
         else:
             probability = self.artifact.classifier.probability(x)
-        self.last_features, self.last_probability = x, probability
-        return Decision.STOP if probability < self.threshold else Decision.CONTINUE
+        self._cumulative *= probability
+        statistic = self.rule.statistic(position, probability, self._cumulative)
+        self.last_features, self.last_probability, self.last_statistic = x, probability, statistic
+        return Decision.STOP if statistic < self.rule.threshold else Decision.CONTINUE
 
     def on_feedback(self, num_drafted: int, num_accepted: int) -> None:
         self.features.feedback(num_drafted, num_accepted)
@@ -285,8 +313,9 @@ def load_artifact(argument: str) -> DiscoArtifact:
         artifact = _cache.get(key)
         if artifact is None:
             artifact = _cache[key] = read_artifact(path)
-            logger.info("loaded DISCO artifact %s (%s, label %s, threshold %.3f, %d features)", path,
-                        artifact.classifier.kind, artifact.label, artifact.threshold, len(artifact.spec.names))
+            logger.info("loaded DISCO artifact %s (%s, label %s, rule %s, threshold %.4g, %d features)", path,
+                        artifact.classifier.kind, artifact.label, artifact.rule, artifact.threshold,
+                        len(artifact.spec.names))
     return artifact
 
 

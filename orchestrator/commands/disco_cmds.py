@@ -37,11 +37,16 @@ def register(subparsers) -> None:
                        help="feature groups, comma-separated (default probs,position,block,session; "
                             "add hidden for the projected hidden state)")
     train.add_argument("--hidden-dims", type=int, default=16, help="PCA dims of the hidden state (with hidden)")
-    train.add_argument("--label", default="auto", choices=["auto", "current", "next"],
-                       help="what P(accept) is about: the token just drafted, the next one, or pick by "
-                            "validation replay (default)")
+    train.add_argument("--label", default="auto", choices=["auto", "current", "next", "conditional"],
+                       help="what P(accept) is about: the block so far (current), the block through the next "
+                            "token (next), this token given the previous ones (conditional), or pick by replay "
+                            "(default)")
+    train.add_argument("--rule", default="auto", choices=["auto", "token", "cumulative", "gain"],
+                       help="decision rule: stop when P < t (token), when the block's product of conditional "
+                            "P < t (cumulative, SpecDec++), when the expected gain of one more token under the "
+                            "cost model < t x its cost (gain), or pick by replay (default)")
     train.add_argument("--select", default="cv", choices=["cv", "validation"],
-                       help="choose classifier, label and threshold by cross-validated replay over the train + "
+                       help="choose classifier, label, rule and threshold by cross-validated replay over the train + "
                             "validation prompts (cv, default) or by replay on the validation prompts only")
     train.add_argument("--folds", type=int, default=4, help="folds of --select cv (default 4)")
     train.add_argument("--dagger-rounds", type=int, default=1,
@@ -63,7 +68,8 @@ def register(subparsers) -> None:
     _add_cost_args(replay)
     replay.set_defaults(func=run_replay)
 
-    tune = subparsers.add_parser("tune", help="re-tune a DISCO artifact's threshold for another cost model")
+    tune = subparsers.add_parser("tune", help="re-tune a DISCO artifact's threshold (of its stored rule) for "
+                                              "another cost model")
     tune.add_argument("--artifact", type=Path, required=True, help="artifact to re-tune")
     tune.add_argument("--out", type=Path, required=True, help="where to write the re-tuned artifact")
     _add_data_args(tune, dataset_required=False)
