@@ -13,7 +13,7 @@ from disco.datasets import load_dataset
 from disco.errors import InvalidRequest
 from disco.features import FeatureExtractor, FeatureSpec
 from disco.signals import TokenSignals
-from disco.training import Examples, _fit_classifier, compile_estimator, make_estimator, raw_score
+from disco.classifiers import Examples, _fit_classifier, compile_estimator, make_estimator, raw_score
 
 
 def test_humaneval_split_is_fixed_and_disjoint():
