@@ -205,22 +205,21 @@ def _padded_forward(model: torch.nn.Module, batch: list[_Request]) -> list[tuple
     # reading it once per session would cost as much as a forward of a small model.
     wanted = [hidden[row, len(tokens) - request.num_logits: len(tokens)]  # [num_logits, hidden]
               for row, (request, tokens) in enumerate(zip(batch, pending))]
-    all_logits = model.get_output_embeddings()(torch.cat(wanted)).float()  # [Σ num_logits, vocab]
-    results = []
-    for request, rows, logits in zip(batch, wanted, all_logits.split([len(w) for w in wanted])):
-        if request.num_logits == 0:  # a prefill
-            results.append((torch.empty(0), None))
-        else:
-            results.append((logits, rows.float() if request.want_hidden else None))
+    results: list[tuple[torch.Tensor, torch.Tensor | None]] = [(torch.empty(0), None)] * size  # prefills
+    if any(request.num_logits for request in batch):
+        all_logits = model.get_output_embeddings()(torch.cat(wanted)).float()  # [Σ num_logits, vocab]
+        for row, (request, rows, logits) in enumerate(zip(batch, wanted, all_logits.split([len(w) for w in wanted]))):
+            if request.num_logits:
+                results[row] = (logits, rows.float() if request.want_hidden else None)
 
-    # 4. Give every session back exactly its own cache entries.
+    # 4. Give every session back exactly its own cache entries: its padded cache ends at
+    # max_cache and its new tokens follow, so they are one contiguous span of the batch.
     for row, (sequence, cache_len, tokens) in enumerate(zip(sequences, cache_lens, pending)):
+        start, end = max_cache - cache_len, max_cache + len(tokens)
         own = DynamicCache(config=model.config)
         for layer_index, layer in enumerate(batched_cache.layers):
-            keep = torch.cat([torch.arange(max_cache - cache_len, max_cache),
-                              torch.arange(max_cache, max_cache + len(tokens))]).to(device)
-            own.update(layer.keys[row: row + 1].index_select(2, keep),
-                       layer.values[row: row + 1].index_select(2, keep), layer_index)
+            own.update(layer.keys[row: row + 1, :, start:end].clone(),
+                       layer.values[row: row + 1, :, start:end].clone(), layer_index)
         sequence.cache = own
         sequence.cache_len = cache_len + len(tokens)
     return results

@@ -395,13 +395,7 @@ def _branches_cached(model: torch.nn.Module, trunk: CachedSequence, prompt_len: 
         sequence.cache = copy.deepcopy(trunk.cache)
         sequence.cache.crop(-(trunk.cache_len - (prompt_len + p)))  # negative: tokens to remove
         sequence.cache_len = prompt_len + p
-        steps: BranchSteps = []
-        for _ in range(n):
-            logits, hidden = sequence.forward(1, want_hidden=want_hidden)
-            token = int(logits[0].argmax())
-            steps.append((token, token_signals(logits[0], token), hidden[0] if hidden is not None else None))
-            sequence.tokens.append(token)
-        out[p] = steps
+        out[p] = _draft_greedily(sequence, n, want_hidden)
     return out
 
 
@@ -414,13 +408,18 @@ def _branches_sequential(model: torch.nn.Module, prompt_ids: list[int], cont: li
     for p, n in branches.items():
         sequence = CachedSequence(model, prompt_ids + cont[:p] + [draft_tokens[p]])
         sequence.prefill()
-        steps: BranchSteps = []
-        for _ in range(n):
-            logits, hidden = sequence.forward(1, want_hidden=want_hidden)
-            token = int(logits[0].argmax())
-            steps.append((token, token_signals(logits[0], token), hidden[0] if hidden is not None else None))
-            sequence.tokens.append(token)
-        out[p] = steps
+        out[p] = _draft_greedily(sequence, n, want_hidden)
+    return out
+
+
+def _draft_greedily(sequence: CachedSequence, steps: int, want_hidden: bool) -> BranchSteps:
+    """``steps`` greedy single-token draft forwards from ``sequence``, as the live engine drafts."""
+    out: BranchSteps = []
+    for _ in range(steps):
+        logits, hidden = sequence.forward(1, want_hidden=want_hidden)
+        token = int(logits[0].argmax())
+        out.append((token, token_signals(logits[0], token), hidden[0] if hidden is not None else None))
+        sequence.tokens.append(token)
     return out
 
 

@@ -93,15 +93,8 @@ class CompiledClassifier:
         return int(self.arrays["num_features"][0])
 
     def raw(self, x: np.ndarray) -> float:  # x: [num_features]
-        if self.kind == "logreg":
-            return float(((x - self.mean) / self.scale) @ self.coef) + self.intercept
-        if self.kind == "mlp":
-            h = (x - self.mean) / self.scale
-            for i, (w, b) in enumerate(zip(self.weights, self.biases)):
-                h = h @ w + b
-                if i < len(self.weights) - 1:
-                    h = np.maximum(h, 0.0)
-            return float(h[0])
+        if self.kind in ("logreg", "mlp"):
+            return float(self.raw_batch(x[None, :])[0])
         values = x.tolist()
         total = self.baseline
         nodes = self._nodes
