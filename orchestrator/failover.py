@@ -73,7 +73,8 @@ class _StickySession:
         self.scope = scope
         self.track = track
         self.session_id = ""
-        self.moves = 0  # placements after the first one
+        self.moves = 0  # placements so far (the first one included)
+        self.failovers = 0  # re-placements after a failed call (re-prefills the loop never saw)
         self._replica: Replica | None = None
         self._generation = 0
         self._backend_id = ""
@@ -92,10 +93,11 @@ class _StickySession:
         """``invoke(client, backend session id, fresh)`` on the session's replica,
         placing (or re-placing) the session first when needed."""
         error: Exception | None = None
-        for _ in range(MAX_ATTEMPTS):
+        for attempt in range(MAX_ATTEMPTS):
             try:
                 if self._replica is None:
                     self._place()
+                    self.failovers += attempt > 0  # re-created after this call failed on a replica
                 result = invoke(self._client, self._backend_id, self._fresh)
                 self._fresh = False
                 return result

@@ -53,6 +53,8 @@ class OrchestratorMetrics(ServerMetrics):
                                        registry=r)
         self.target_reprefills = Counter("disco_spec_decode_target_reprefills",
                                          "Target sessions re-created from the orchestrator's tokens", registry=r)
+        self.draft_reprefills = Counter("disco_spec_decode_draft_reprefills",
+                                        "Draft sessions re-created on another replica after a failure", registry=r)
         self.generation_tokens = Counter("disco_generation_tokens", "Tokens generated", registry=r)
         self.request_success = Counter("disco_request_success", "Requests finished, by finish reason",
                                        ["finished_reason"], registry=r)
@@ -100,6 +102,7 @@ class OrchestratorMetrics(ServerMetrics):
         self.target_forwards.inc(stats.target_forwards)
         self.draft_fallbacks.inc(stats.draft_fallbacks)
         self.target_reprefills.inc(stats.target_reprefills)
+        self.draft_reprefills.inc(stats.draft_reprefills)
         self.request_success.labels(stats.finish_reason or "unknown").inc()
         self.e2e_latency.observe(latency_s)
         if latency_s > 0:
@@ -110,4 +113,4 @@ class OrchestratorMetrics(ServerMetrics):
         logger.info("request finished: %d+%d tokens, %s, acceptance %.2f, %.3f s", stats.prompt_tokens,
                     stats.generated_tokens, stats.finish_reason, stats.acceptance_rate, latency_s,
                     extra={"generated_tokens": stats.generated_tokens, "draft_fallbacks": stats.draft_fallbacks,
-                           "target_reprefills": stats.target_reprefills})
+                           "target_reprefills": stats.target_reprefills, "draft_reprefills": stats.draft_reprefills})

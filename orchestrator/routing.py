@@ -230,7 +230,9 @@ class ReplicaSet:
         with self._cond:
             replica.recovering = False
             if channel is not None:
-                replica.channel.close()
+                # NOTE: the old channel is not closed here: other sessions may still have a
+                # call in flight on it (a replica reported down by one session can be serving
+                # the others); it closes when the last stub using it is dropped.
                 replica.channel, replica.address = channel, address
                 replica.generation += 1
                 replica.healthy = True

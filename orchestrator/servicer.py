@@ -26,6 +26,7 @@ from disco.pipeline import encode_prompt, make_decode
 from disco.policies import POLICY_INFOS, parse_policy_spec
 from orchestrator.backends import Backends
 from orchestrator.degrade import DegradingDrafter, UnreachableDrafter, draft_check
+from orchestrator.failover import FailoverDrafter, FailoverVerifier
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.remote import DEFAULT_CALL_TIMEOUT_S, CallScope
 from protos import convert
@@ -118,11 +119,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             scope = CallScope(None if remaining is None or remaining > _NO_DEADLINE_S
                               else time.monotonic() + remaining, self.limits.call_timeout_s)
             context.add_callback(scope.cancel)  # client cancel or deadline: stop the backend calls
-            drafter, verifier = self.backends.session(scope)  # sticky replicas, re-prefilled on failure
-            drafter = UnreachableDrafter(draft_down) if draft_down else DegradingDrafter(drafter)
+            sticky_drafter, verifier = self.backends.session(scope)  # sticky replicas, re-prefilled on failure
+            drafter = UnreachableDrafter(draft_down) if draft_down else DegradingDrafter(sticky_drafter)
             generator = SpeculativeGenerator(drafter, verifier, self._locked_decode, target.eos_token_ids,
                                              self.limits.max_new_tokens)
-            yield from self.metrics.observe(generator.stream(prompt_ids, sampling, speculation))
+            events = generator.stream(prompt_ids, sampling, speculation)
+            yield from self.metrics.observe(_with_failovers(events, sticky_drafter, verifier))
 
     def _parse(self, request: orchestrator_pb2.GenerateRequest) -> tuple[list[int], SamplingParams, SpeculationConfig]:
         speculation = SpeculationConfig(
@@ -161,6 +163,17 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         finally:
             with self._active_lock:
                 self._active -= 1
+
+
+def _with_failovers(events: Iterator[GenerationEvent], drafter: FailoverDrafter,
+                    verifier: FailoverVerifier) -> Iterator[GenerationEvent]:
+    """Add the re-prefills done below the loop (a session moved off a failed replica) to
+    the request's stats; the loop counts only the ones it did itself."""
+    for event in events:
+        if isinstance(event, GenerationResult):
+            event.stats.target_reprefills += verifier.failovers
+            event.stats.draft_reprefills += drafter.failovers
+        yield event
 
 
 def _result_pb(result: GenerationResult, started_ns: int) -> orchestrator_pb2.GenerateResult:

@@ -7,14 +7,17 @@ The Ray path (replicas as actors that Ray restarts) is in test_ray_deploy.py.
 """
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import draft_service.server
 import target_service.server
 from disco.config import SamplingParams, SpeculationConfig
 from orchestrator.client import DiscoClient, DiscoRpcError
+from orchestrator.routing import ReplicaSet
 from tests.grpc_fixtures import CLIENT_TIMEOUT_S, loaded, start_orchestrator
 from tests.helpers import PROMPTS, local_generator
 
@@ -104,6 +107,7 @@ def test_target_replica_lost_mid_request_moves_the_session(servers, tokenizer, r
         assert len(calls) >= 4
         assert result.token_ids == reference[PROMPTS[0]]
         assert result.stats["draft_tokens"] > 0 and result.stats["draft_fallbacks"] == 0
+        assert (result.stats["target_reprefills"], result.stats["draft_reprefills"]) == (1, 0)  # the move is counted
         target_0, target_1 = orch.servicers[0].backends.routing()["target"]
         assert (target_0["failures"], target_0["healthy"]) == (1, False)
         assert target_1["sessions"] == 1 and target_1["failures"] == 0
@@ -122,6 +126,7 @@ def test_target_replaced_at_the_same_address_is_reprefilled(servers, tokenizer, 
         fail_on_call(target, "verify", call_number=3, then=lambda: replacement.append(servers("target", target.port)))
         result = generate(orch.address, PROMPTS[1])
         assert result.token_ids == reference[PROMPTS[1]]
+        assert result.stats["target_reprefills"] == 1
         assert replacement and replacement[0].servicers[0].engine.active_sessions() == 0  # used, then freed
         (state,) = orch.servicers[0].backends.routing()["target"]
         assert state["failures"] == 1 and state["healthy"] and state["generation"] == 1
@@ -139,7 +144,27 @@ def test_draft_replica_lost_mid_request_moves_to_the_other_draft(servers, tokeni
         result = generate(orch.address, PROMPTS[0])
         assert result.token_ids == reference[PROMPTS[0]]
         assert result.stats["draft_fallbacks"] == 0  # another draft replica took over: no target-only stretch
+        assert (result.stats["draft_reprefills"], result.stats["target_reprefills"]) == (1, 0)
         draft_0, draft_1 = orch.servicers[0].backends.routing()["draft"]
         assert draft_0["failures"] == 1 and draft_1["sessions"] == 1
     finally:
         orch.stop(0)
+
+
+def test_recovery_leaves_the_old_channel_to_calls_in_flight(servers):
+    """A replica reported down by one session may still be serving others: recovering it
+    must not close the channel their calls are using."""
+    target = servers("target")
+    replicas = ReplicaSet.static("target", target.address)
+    try:
+        replica, generation = replicas.acquire()
+        old_channel = replica.channel
+        replicas.report_failure(replica, generation)
+        deadline = time.monotonic() + 10
+        while replicas.snapshot()[0]["generation"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert replicas.snapshot()[0]["healthy"] and replica.channel is not old_channel
+        response = health_pb2_grpc.HealthStub(old_channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert response.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        replicas.close()
