@@ -41,8 +41,18 @@ def _resources() -> dict[str, float]:
     return merged
 
 
-def _health(address: str, service: str) -> str:
-    channel = grpc.insecure_channel(address)
+def _tls(paths: dict | None):
+    """:class:`protos.security.TlsFiles` from ``{"cert", "key", "ca", "server_name"}`` paths on
+    this node (``None``: plaintext)."""
+    from protos.security import TlsFiles  # noqa: PLC0415
+
+    return TlsFiles.from_paths(**paths) if paths else None
+
+
+def _health(address: str, service: str, tls: Any = None) -> str:
+    from protos.security import secure_channel  # noqa: PLC0415
+
+    channel = secure_channel(address, tls)  # with mTLS, this actor's own certificate is the client identity
     try:
         response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
                                                              timeout=HEALTH_TIMEOUT_S)
@@ -53,12 +63,13 @@ def _health(address: str, service: str) -> str:
         channel.close()
 
 
-def _describe(role: str, address: str, service: str, **extra: Any) -> dict:
+def _describe(role: str, address: str, service: str, running: Any, tls: Any, **extra: Any) -> dict:
     context = ray.get_runtime_context()
-    return {"name": context.get_actor_name(), "role": role, "address": address,
+    return {"name": context.get_actor_name(), "role": role, "address": address, "tls": tls is not None,
+            "metrics": running.metrics_address,
             "node_id": context.get_node_id(), "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
             "resources": _resources(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-            "restarted": context.was_current_actor_reconstructed, "health": _health(address, service), **extra}
+            "restarted": context.was_current_actor_reconstructed, "health": _health(address, service, tls), **extra}
 
 
 class ModelService:
@@ -69,9 +80,13 @@ class ModelService:
         model: :class:`disco.config.ModelConfig` fields (spec, dtype, device).
         host: interface to bind (``None``: this node's IP as Ray sees it).
         limits: :class:`disco.sessions.SessionLimits` fields.
+        tls: ``{"cert", "key", "ca"}`` PEM paths readable on this node: serve TLS; with
+            ``ca``, require client certificates it signed (mTLS). ``None``: plaintext.
+        metrics: serve Prometheus ``/metrics`` on a free port of ``host`` (see ``describe()``).
     """
 
-    def __init__(self, role: str, model: dict, host: str | None = None, limits: dict | None = None) -> None:
+    def __init__(self, role: str, model: dict, host: str | None = None, limits: dict | None = None,
+                 tls: dict | None = None, metrics: bool = False) -> None:
         import draft_service.server  # noqa: PLC0415 - torch-using modules after tune_cpu_math_env
         import target_service.server  # noqa: PLC0415
         from disco.config import ModelConfig  # noqa: PLC0415
@@ -82,7 +97,9 @@ class ModelService:
         loaded = load_model(ModelConfig(**model), role, disco_home(), progress=False)
         module = draft_service.server if role == "draft" else target_service.server
         host = host or ray.util.get_node_ip_address()
-        self._running = module.serve(loaded, host=host, port=0, limits=SessionLimits(**(limits or {})))
+        self._tls = _tls(tls)
+        self._running = module.serve(loaded, host=host, port=0, limits=SessionLimits(**(limits or {})),
+                                     tls=self._tls, metrics_port=0 if metrics else None)
         self._address = _advertised(host, self._running.port)
         self._service = f"disco.v1.{'DraftService' if role == 'draft' else 'TargetService'}"
         self._model = {"name": loaded.name, "dtype": model.get("dtype"), "device": model.get("device")}
@@ -91,7 +108,7 @@ class ModelService:
         return self._address
 
     def describe(self) -> dict:
-        return _describe(self.role, self._address, self._service, model=self._model)
+        return _describe(self.role, self._address, self._service, self._running, self._tls, model=self._model)
 
     def stop(self, grace_s: float = 2.0) -> None:
         """Drain the gRPC server (``disco down`` calls this before killing the actor)."""
@@ -108,28 +125,43 @@ class OrchestratorService:
         host: interface to bind (``None``: this node's IP).
         port: port to bind (0: any; a restarted instance then gets a new one).
         limits: :class:`orchestrator.servicer.OrchestratorLimits` fields.
+        tls: ``{"cert", "key", "ca", "server_name"}`` PEM paths readable on this node:
+            ``cert``/``key`` serve the public API over TLS and are the client identity towards
+            the backends, ``ca`` verifies the backends. ``None``: plaintext.
+        require_client_cert: public clients must present a certificate signed by ``tls["ca"]``.
+        metrics: serve Prometheus ``/metrics`` on a free port of ``host``.
+
+    The bearer token of the public API, if any, comes from ``$DISCO_AUTH_TOKEN`` in the
+    actor's environment (``disco up`` puts it in the actor's runtime environment).
     """
 
     def __init__(self, namespace: str, tokenizer_spec: str | None, host: str | None = None, port: int = 0,
-                 limits: dict | None = None) -> None:
+                 limits: dict | None = None, tls: dict | None = None, require_client_cert: bool = False,
+                 metrics: bool = False) -> None:
         from deploy.ray_resolver import RayResolver  # noqa: PLC0415
         from disco.models import disco_home  # noqa: PLC0415
         from orchestrator.routing import ReplicaSet  # noqa: PLC0415
         from orchestrator.server import load_tokenizer, serve  # noqa: PLC0415
         from orchestrator.servicer import OrchestratorLimits  # noqa: PLC0415
+        from protos.security import auth_token_from_env  # noqa: PLC0415
 
         resolver = RayResolver(namespace)
         tokenizer = load_tokenizer(tokenizer_spec, disco_home())
         host = host or ray.util.get_node_ip_address()
+        self._tls = _tls(tls)
         self._running = serve(tokenizer, ReplicaSet("draft", resolver), ReplicaSet("target", resolver),
-                              host=host, port=port, limits=OrchestratorLimits(**(limits or {})))
+                              host=host, port=port, limits=OrchestratorLimits(**(limits or {})), tls=self._tls,
+                              require_client_cert=require_client_cert, auth_token=auth_token_from_env(),
+                              metrics_port=0 if metrics else None)
         self._address = _advertised(host, self._running.port)
 
     def address(self) -> str:
         return self._address
 
     def describe(self) -> dict:
-        return _describe("orchestrator", self._address, "disco.v1.Orchestrator", routing=self.routing())
+        return _describe("orchestrator", self._address, "disco.v1.Orchestrator", self._running,
+                         self._tls if self._tls is not None and self._tls.cert is not None else None,
+                         routing=self.routing())
 
     def routing(self) -> dict[str, list[dict]]:
         """Per-replica sessions and failures seen by this orchestrator."""

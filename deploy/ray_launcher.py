@@ -23,6 +23,7 @@ from deploy import ray_head
 from deploy.ray_actors import ModelService, OrchestratorService
 from deploy.ray_resolver import ORCHESTRATOR_NAME, actor_names, replica_name, role_of
 from disco.errors import DiscoError
+from protos.security import AUTH_TOKEN_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +67,27 @@ class UpConfig:
     max_sessions: int = 64
     startup_timeout_s: float = STARTUP_TIMEOUT_S
     placement_timeout_s: float = PLACEMENT_TIMEOUT_S
+    # TLS: PEM paths readable on every node (a shared volume, the image, a mounted Secret);
+    # every service gets the same files, as with `disco serve` (docs/operations.md).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    tls_server_name: str | None = None
+    tls_require_client_cert: bool = False
+    metrics: bool = False  # each service serves /metrics on a free port (`disco status` lists them)
+
+    def tls_paths(self) -> dict | None:
+        paths = {"cert": self.tls_cert, "key": self.tls_key, "ca": self.tls_ca}
+        if not any(paths.values()):
+            return None
+        return {**paths, "server_name": self.tls_server_name}
 
 
-def up(config: UpConfig, home: Path) -> dict:
+def up(config: UpConfig, home: Path, auth_token: str | None = None) -> dict:
     """Deploy; returns ``{"orchestrator": HOST:PORT | None, "draft": [...], "target": [...], ...}``.
+
+    ``auth_token``: bearer token the orchestrator requires on the public API; it reaches the
+    orchestrator actor through its runtime environment (``$DISCO_AUTH_TOKEN``), never its arguments.
 
     Raises:
         DiscoError: a deployment already runs in the namespace, the placement group cannot
@@ -101,7 +119,7 @@ def up(config: UpConfig, home: Path) -> dict:
                              "run `disco down` first or choose another --namespace")
         deploying = True
         ray_head.save_state(home, state)
-        result = _deploy(config)
+        result = _deploy(config, auth_token)
         state.orchestrator = result["orchestrator"]
         ray_head.save_state(home, state)
         return {**result, "namespace": config.namespace, "ray_address": address,
@@ -116,7 +134,7 @@ def up(config: UpConfig, home: Path) -> dict:
         raise
 
 
-def _deploy(config: UpConfig) -> dict:
+def _deploy(config: UpConfig, auth_token: str | None) -> dict:
     gpus = ray.cluster_resources().get("GPU", 0) > 0
     roles = [("target", config.target_replicas, config.target_cpus, _gpus(config.target_gpus, gpus)),
              ("draft", config.draft_replicas, config.draft_cpus, _gpus(config.draft_gpus, gpus))]
@@ -138,14 +156,16 @@ def _deploy(config: UpConfig) -> dict:
             name=replica_name(role, index), lifetime="detached", max_restarts=config.max_restarts,
             num_cpus=cpus, num_gpus=role_gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle_index),
-        ).remote(role, model, config.host, {"max_sessions": config.max_sessions})
+        ).remote(role, model, config.host, {"max_sessions": config.max_sessions}, config.tls_paths(), config.metrics)
     addresses = {name: _await(name, handle, config.startup_timeout_s) for name, handle in handles.items()}
     orchestrator = None
     if config.orchestrator:
         handle = ray.remote(OrchestratorService).options(
             name=ORCHESTRATOR_NAME, lifetime="detached", max_restarts=config.max_restarts, num_cpus=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(_head_node_id(), soft=False),
-        ).remote(config.namespace, config.target, config.host, config.port)
+            runtime_env={"env_vars": {AUTH_TOKEN_ENV: auth_token}} if auth_token else None,
+        ).remote(config.namespace, config.target, config.host, config.port, None, config.tls_paths(),
+                 config.tls_require_client_cert, config.metrics)
         orchestrator = _await(ORCHESTRATOR_NAME, handle, config.startup_timeout_s)
     return {"orchestrator": orchestrator, "placement": strategy,
             "target": [a for n, a in addresses.items() if n.startswith("target")],

@@ -2,6 +2,8 @@
 generation through the orchestrator actor is token-identical to in-process; two target
 replicas share concurrent sessions; the draft or a target actor killed mid-generation
 is restarted by Ray while the request completes, exact; ``disco down`` leaves nothing.
+The deployment runs as a secured one would: TLS everywhere, mutual TLS between the
+orchestrator and its backends, a bearer token on the public API, ``/metrics`` served.
 
 One deployment serves the whole module (a Ray head plus four actor processes take about
 a minute to start on a busy 2-core machine); the tests run in file order and the last
@@ -10,10 +12,12 @@ one takes it down.
 
 import json
 import time
+import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
 
 from deploy.ray_head import use_token_auth  # noqa: E402 - imports no ray
@@ -24,11 +28,14 @@ ray = pytest.importorskip("ray")
 from deploy.ray_launcher import UpConfig, down, status, up  # noqa: E402
 from disco.config import SamplingParams, SpeculationConfig  # noqa: E402
 from orchestrator.cli import main  # noqa: E402
-from orchestrator.client import DiscoClient  # noqa: E402
+from orchestrator.client import DiscoClient, DiscoRpcError  # noqa: E402
 from tests.helpers import PROMPTS, local_generator  # noqa: E402
+from tests.pki import Authority  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
+TOKEN = "ray-s3cret"
+SERVER_NAME = "localhost"  # the test certificates name localhost; the actors listen on the node's IP
 NEW_TOKENS = 32
 LONG_TOKENS = 300  # static:1: one Draft and one Verify round trip per token, long enough to interrupt
 RESTART_TIMEOUT_S = 180.0
@@ -41,6 +48,7 @@ class Deployment:
     home: Path
     namespace: str
     pids: dict
+    ca: Path
 
     def actor(self, name: str):
         return ray.get_actor(name, namespace=self.namespace)
@@ -48,17 +56,22 @@ class Deployment:
     def routing(self) -> dict:
         return ray.get(self.actor("orchestrator").routing.remote(), timeout=30)
 
-    def client(self) -> DiscoClient:
-        return DiscoClient(self.info["orchestrator"], timeout=CLIENT_TIMEOUT_S)
+    def client(self, **options) -> DiscoClient:
+        return DiscoClient(self.info["orchestrator"], timeout=CLIENT_TIMEOUT_S, **{
+            "tls_ca": str(self.ca), "tls_server_name": SERVER_NAME, "auth_token": TOKEN, **options})
 
 
 @pytest.fixture(scope="module")
 def deployment(tiny_pair_dirs, tmp_path_factory):
     home = tmp_path_factory.mktemp("ray_home")
+    authority = Authority(tmp_path_factory.mktemp("pki"))
+    services = authority.issue("services")
     namespace = f"disco-test-{uuid.uuid4().hex[:8]}"
     info = up(UpConfig(target=str(tiny_pair_dirs["target"]), draft=str(tiny_pair_dirs["draft"]), dtype="float32",
-                       namespace=namespace, target_replicas=2, port=0), home)
-    deployment = Deployment(info, home, namespace, {})
+                       namespace=namespace, target_replicas=2, port=0, tls_cert=str(services.cert),
+                       tls_key=str(services.key), tls_ca=str(authority.ca), tls_server_name=SERVER_NAME,
+                       metrics=True), home, auth_token=TOKEN)
+    deployment = Deployment(info, home, namespace, {}, authority.ca)
     yield deployment
     if ray.is_initialized():  # a test failed before test_down_removes_everything
         down(None, namespace, home)
@@ -102,6 +115,9 @@ def test_up_starts_every_actor_and_status_lists_them(deployment):
     assert set(actors) == {"draft-0", "target-0", "target-1", "orchestrator"}
     for name, actor in actors.items():
         assert actor["health"] == "SERVING" and actor["node_ip"] and not actor["restarted"], actor
+        assert actor["tls"] and actor["metrics"], actor  # health checked over (m)TLS; /metrics served
+        with urllib.request.urlopen(f"http://{actor['metrics']}/metrics", timeout=10) as page:
+            assert b"disco_" in page.read()
         if name != "orchestrator":
             assert actor["resources"] == {"CPU": 1.0} and actor["model"]["dtype"] == "float32"
     assert sorted(actors[n]["address"] for n in ("target-0", "target-1")) == sorted(info["target"])
@@ -118,8 +134,14 @@ def test_generation_through_the_orchestrator_is_token_identical(deployment, refe
             assert result.stats["draft_tokens"] > 0
     # `disco generate --server ADDR` against the Ray deployment
     code = main(["generate", "--server", deployment.info["orchestrator"], "--prompt", PROMPTS[0],
-                 "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos", "--json"])
+                 "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos", "--json", "--tls-ca", str(deployment.ca),
+                 "--tls-server-name", SERVER_NAME, "--auth-token", TOKEN])
     assert code == 0 and json.loads(capsys.readouterr().out)["token_ids"] == reference(PROMPTS[0], NEW_TOKENS)
+    with deployment.client(auth_token=None) as client, pytest.raises(DiscoRpcError) as refused:
+        client.generate(PROMPTS[0], max_new_tokens=4)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with DiscoClient(deployment.info["orchestrator"], timeout=10) as plaintext, pytest.raises(DiscoRpcError):
+        plaintext.generate(PROMPTS[0], max_new_tokens=4)  # the public API speaks TLS only
 
 
 def test_concurrent_sessions_spread_over_both_target_replicas(deployment, reference):

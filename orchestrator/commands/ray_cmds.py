@@ -12,6 +12,7 @@ import os
 import time
 
 from disco.errors import DiscoError
+from orchestrator.commands.common import add_server_security_args
 
 DEFAULT_NAMESPACE = "disco"
 DEFAULT_PORT = 50051
@@ -48,6 +49,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="how long to wait for the resources (default 300 s)")
     parser.add_argument("--max-restarts", type=int, default=-1, help="Ray restarts per actor (default -1: unlimited)")
     parser.add_argument("--max-sessions", type=int, default=64, help="concurrent sessions per replica (default 64)")
+    parser.add_argument("--metrics", action="store_true",
+                        help="each service serves Prometheus /metrics on a free port (`disco status` lists them)")
+    group = parser.add_argument_group("security (PEM paths readable on every node; every service gets the "
+                                      "same files, as with `disco serve`)")
+    group.add_argument("--tls-cert", default=None, metavar="PEM",
+                       help="certificate of all three services (the orchestrator's client identity too)")
+    group.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
+    group.add_argument("--tls-ca", default=None, metavar="PEM",
+                       help="CA of the deployment: backends require client certificates it signed (mTLS), "
+                            "the orchestrator verifies the backends with it")
+    group.add_argument("--tls-server-name", default=None, metavar="NAME",
+                       help="name in the certificate when it does not cover the services' addresses")
+    group.add_argument("--tls-require-client-cert", action="store_true",
+                       help="also require public clients to present a certificate signed by --tls-ca")
+    group.add_argument("--auth-token", default=None, metavar="TOKEN",
+                       help="bearer token the orchestrator requires (default $DISCO_AUTH_TOKEN); it reaches the "
+                            "orchestrator actor through its runtime environment")
     _add_namespace_arg(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object {orchestrator, draft, target, ...}")
     parser.set_defaults(func=_run_up)
@@ -71,6 +89,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to bind (default {DEFAULT_PORT})")
     parser.add_argument("--json", action="store_true", help="announce the bound address as one JSON line")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus /metrics on this port of --host (0: any free port; default: off)")
+    add_server_security_args(parser, orchestrator=True)
     _add_namespace_arg(parser)
     parser.set_defaults(func=_run_ray_orchestrator)
 
@@ -94,7 +115,11 @@ def _run_up(args: argparse.Namespace) -> int:
     use_token_auth(generate=args.address is None)  # a head we start always uses token auth
     from deploy.ray_launcher import UpConfig, up  # noqa: PLC0415
     from disco.models import disco_home  # noqa: PLC0415
+    from protos.security import TlsFiles, auth_token_from_env  # noqa: PLC0415
 
+    TlsFiles.from_paths(args.tls_cert, args.tls_key, args.tls_ca)  # unreadable files: refused here, before Ray
+    if args.tls_ca and not args.tls_cert:
+        raise DiscoError("--tls-ca needs --tls-cert and --tls-key (the services' own certificate)")
     for role in ("target", "draft"):
         if getattr(args, f"{role}_replicas") < 1:
             raise DiscoError(f"--{role}-replicas must be >= 1")
@@ -105,8 +130,11 @@ def _run_up(args: argparse.Namespace) -> int:
         target_gpus=args.target_gpus, draft_gpus=args.draft_gpus, target_cpus=args.target_cpus,
         draft_cpus=args.draft_cpus, target_replicas=args.target_replicas, draft_replicas=args.draft_replicas,
         placement=args.placement, host=args.host, port=args.port, orchestrator=not args.no_orchestrator,
-        max_restarts=args.max_restarts, max_sessions=args.max_sessions, placement_timeout_s=args.placement_timeout)
-    result = up(config, disco_home())
+        max_restarts=args.max_restarts, max_sessions=args.max_sessions, placement_timeout_s=args.placement_timeout,
+        tls_cert=_absolute(args.tls_cert), tls_key=_absolute(args.tls_key), tls_ca=_absolute(args.tls_ca),
+        tls_server_name=args.tls_server_name, tls_require_client_cert=args.tls_require_client_cert,
+        metrics=args.metrics)
+    result = up(config, disco_home(), auth_token_from_env(args.auth_token))
     if args.json:
         print(json.dumps(result), flush=True)
     else:
@@ -117,6 +145,11 @@ def _run_up(args: argparse.Namespace) -> int:
             print(f"  {role:<12}  {', '.join(result[role])}")
         print("`disco status` shows the actors, `disco down` stops everything.", flush=True)
     return 0
+
+
+def _absolute(path: str | None) -> str | None:
+    """Actors run in other working directories: pass them absolute paths."""
+    return os.path.abspath(path) if path else None
 
 
 def _run_down(args: argparse.Namespace) -> int:
@@ -154,7 +187,8 @@ def _run_status(args: argparse.Namespace) -> int:
         resources = ", ".join(f"{k}={v:g}" for k, v in sorted(actor.get("resources", {}).items())) or "-"
         restarted = " (restarted)" if actor.get("restarted") else ""
         print(f"  {actor['name']:<13} {actor.get('address', '-'):<22} node {actor.get('node_ip', '-'):<15} "
-              f"[{resources}] {actor['health']}{restarted}")
+              f"[{resources}] {actor['health']}{restarted}{' tls' if actor.get('tls') else ''}"
+              f"{' metrics ' + actor['metrics'] if actor.get('metrics') else ''}")
     group = result["placement_group"]
     if group:
         print(f"  placement group {group['name']}: {group['strategy']}, {group['state']}")
@@ -175,10 +209,14 @@ def _run_ray_orchestrator(args: argparse.Namespace) -> int:
     from orchestrator.servicer import SERVICE_NAME  # noqa: PLC0415
     from protos.runtime import serve_until_signal  # noqa: PLC0415
 
+    from protos.security import TlsFiles, auth_token_from_env  # noqa: PLC0415
+
+    tls = TlsFiles.from_paths(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
     resolver = RayResolver(args.namespace, args.address)
     tokenizer = load_tokenizer(args.model, disco_home())
     running = serve(tokenizer, ReplicaSet("draft", resolver), ReplicaSet("target", resolver),
-                    host=args.host, port=args.port)
+                    host=args.host, port=args.port, tls=tls, require_client_cert=args.tls_require_client_cert,
+                    auth_token=auth_token_from_env(args.auth_token), metrics_port=args.metrics_port)
     # Readiness: the service is NOT_SERVING until Ray is reachable; the server's overall
     # health ("") stays SERVING (liveness).
     running.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
