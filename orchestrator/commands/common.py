@@ -49,6 +49,26 @@ def add_server_security_args(parser: argparse.ArgumentParser, orchestrator: bool
                                 "default $DISCO_AUTH_TOKEN; prefer the variable: a flag shows in `ps`")
 
 
+def add_deployment_security_args(parser: argparse.ArgumentParser, title: str, require_client_cert: bool = False,
+                                 token_note: str = "") -> None:
+    """TLS and token flags of a command that starts all three services (``serve``, ``up``):
+    every service gets the same files."""
+    group = parser.add_argument_group(title)
+    group.add_argument("--tls-cert", default=None, metavar="PEM",
+                       help="certificate of all three services (the orchestrator's client identity too)")
+    group.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
+    group.add_argument("--tls-ca", default=None, metavar="PEM",
+                       help="CA of the deployment: backends require client certificates it signed (mTLS), "
+                            "the orchestrator verifies the backends with it")
+    group.add_argument("--tls-server-name", default=None, metavar="NAME",
+                       help="name in the certificate when it does not cover the services' addresses")
+    if require_client_cert:
+        group.add_argument("--tls-require-client-cert", action="store_true",
+                           help="also require public clients to present a certificate signed by --tls-ca")
+    group.add_argument("--auth-token", default=None, metavar="TOKEN",
+                       help="bearer token of the public API (default $DISCO_AUTH_TOKEN)" + token_note)
+
+
 def add_client_security_args(parser: argparse.ArgumentParser) -> None:
     """TLS and token flags of a client of the public API."""
     group = parser.add_argument_group("connection security (with --server)")

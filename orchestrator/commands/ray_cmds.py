@@ -12,7 +12,7 @@ import os
 import time
 
 from disco.errors import DiscoError
-from orchestrator.commands.common import add_server_security_args
+from orchestrator.commands.common import add_deployment_security_args, add_server_security_args
 
 DEFAULT_NAMESPACE = "disco"
 DEFAULT_PORT = 50051
@@ -51,21 +51,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-sessions", type=int, default=64, help="concurrent sessions per replica (default 64)")
     parser.add_argument("--metrics", action="store_true",
                         help="each service serves Prometheus /metrics on a free port (`disco status` lists them)")
-    group = parser.add_argument_group("security (PEM paths readable on every node; every service gets the "
-                                      "same files, as with `disco serve`)")
-    group.add_argument("--tls-cert", default=None, metavar="PEM",
-                       help="certificate of all three services (the orchestrator's client identity too)")
-    group.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
-    group.add_argument("--tls-ca", default=None, metavar="PEM",
-                       help="CA of the deployment: backends require client certificates it signed (mTLS), "
-                            "the orchestrator verifies the backends with it")
-    group.add_argument("--tls-server-name", default=None, metavar="NAME",
-                       help="name in the certificate when it does not cover the services' addresses")
-    group.add_argument("--tls-require-client-cert", action="store_true",
-                       help="also require public clients to present a certificate signed by --tls-ca")
-    group.add_argument("--auth-token", default=None, metavar="TOKEN",
-                       help="bearer token the orchestrator requires (default $DISCO_AUTH_TOKEN); it reaches the "
-                            "orchestrator actor through its runtime environment")
+    add_deployment_security_args(
+        parser, "security (PEM paths readable on every node; every service gets the same files, as with "
+        "`disco serve`)", require_client_cert=True,
+        token_note="; it reaches the orchestrator actor through its runtime environment")
     _add_namespace_arg(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object {orchestrator, draft, target, ...}")
     parser.set_defaults(func=_run_up)

@@ -21,6 +21,7 @@ from disco.config import ModelConfig
 from disco.errors import DiscoError
 from disco.sessions import SessionLimits
 from orchestrator.commands.common import (
+    add_deployment_security_args,
     add_model_args,
     add_operations_args,
     add_server_security_args,
@@ -72,17 +73,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_operations_args(parser)
     _add_artifact_dir_arg(parser)
     parser.set_defaults(func=_run_serve)
-    group = parser.add_argument_group("security (every child gets the same files)")
-    group.add_argument("--tls-cert", default=None, metavar="PEM",
-                       help="certificate of all three services (the orchestrator's client identity too)")
-    group.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
-    group.add_argument("--tls-ca", default=None, metavar="PEM",
-                       help="CA of the deployment: backends require client certificates it signed (mTLS), "
-                            "the orchestrator verifies the backends with it")
-    group.add_argument("--tls-server-name", default=None, metavar="NAME",
-                       help="name in the certificate when it does not cover --host")
-    group.add_argument("--auth-token", default=None, metavar="TOKEN",
-                       help="bearer token of the public API (default $DISCO_AUTH_TOKEN)")
+    add_deployment_security_args(parser, "security (every child gets the same files)")
 
 
 def _add_artifact_dir_arg(parser: argparse.ArgumentParser) -> None:
