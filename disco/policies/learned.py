@@ -43,7 +43,7 @@ from disco.cost_model import CostModel
 from disco.errors import InvalidRequest
 from disco.features import FeatureExtractor, FeatureSpec, Projection
 from disco.policies.base import Decision, StopPolicy
-from disco.policies.stop_rules import RULES, StopRule
+from disco.policies.stop_rules import StopRule
 from disco.signals import TokenSignals
 
 logger = logging.getLogger(__name__)
@@ -226,11 +226,12 @@ def read_artifact(path: Path) -> DiscoArtifact:
         projection = Projection(mean=arrays["projection_mean"], matrix=arrays["projection_matrix"])
     if metadata.get("label", "current") not in LABELS:
         raise InvalidRequest(f"DISCO artifact {path}: unknown label {metadata.get('label')!r}")
-    if metadata.get("rule", "token") not in RULES:
-        raise InvalidRequest(f"DISCO artifact {path}: unknown rule {metadata.get('rule')!r}")
-    if metadata.get("rule") == "gain" and not metadata.get("cost_model"):
-        raise InvalidRequest(f"DISCO artifact {path}: the gain rule needs a stored cost model")
-    return DiscoArtifact(metadata=metadata, classifier=classifier, spec=spec, projection=projection, path=path)
+    artifact = DiscoArtifact(metadata=metadata, classifier=classifier, spec=spec, projection=projection, path=path)
+    try:
+        artifact.stop_rule()  # a known rule, with the cost model the gain rule needs
+    except InvalidRequest as error:
+        raise InvalidRequest(f"DISCO artifact {path}: {error}") from None
+    return artifact
 
 
 class DiscoPolicy(StopPolicy):
