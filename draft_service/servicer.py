@@ -64,6 +64,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.engine.end_session(request.session_id)
         return common_pb2.EndSessionResponse(elapsed_ns=convert.elapsed_ns(started))
 
+    def close(self) -> None:
+        """Let the drafting threads go (called when the server stopped; no call is left)."""
+        self.drafting_threads.shutdown(wait=True, cancel_futures=True)
+
     def Info(self, request: common_pb2.ServiceInfoRequest, context: grpc.ServicerContext) -> common_pb2.ServiceInfo:
         return convert.service_info_pb("draft", self.loaded, self.engine.max_context,
                                        self.engine.active_sessions(), self.limits, time.perf_counter_ns())

@@ -231,9 +231,14 @@ class RunningServer:
         return format_address(self.host, port) if port is not None else None
 
     def stop(self, grace_s: float | None = 2.0) -> None:
-        """Report NOT_SERVING, finish in-flight calls for up to ``grace_s``, then stop."""
+        """Report NOT_SERVING, finish in-flight calls for up to ``grace_s``, then stop;
+        servicers with a ``close()`` (threads of their own) are closed last."""
         self.health.enter_graceful_shutdown()
         self.server.stop(grace_s).wait()
+        for servicer in self.servicers:
+            close = getattr(servicer, "close", None)
+            if close is not None:
+                close()
         if self.metrics is not None:
             self.metrics.close()
 

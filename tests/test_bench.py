@@ -50,3 +50,26 @@ def test_bench_transport_reports_overhead_and_transport_time(tiny_pair_dirs, cap
     assert summary["transport_ms_per_iteration"] > 0
     assert 0 <= summary["in_process_bookkeeping_ms_per_iteration"] < summary["transport_ms_per_iteration"]
     assert summary["tokens_per_s_ratio"] > 0 and summary["engine_time_ratio"] > 0
+
+
+def test_grpc_floor_times_every_pattern_against_a_bare_server():
+    from orchestrator.bench import grpc_floor
+
+    result = grpc_floor.measure(block_tokens=3, idle_ms=(0.0, 2.0), calls=5)
+    assert [row["idle_ms"] for row in result["rows"]] == [0.0, 2.0]
+    for row in result["rows"]:
+        assert all(row[f"{name}_ms"] > 0 for name in ("unary", "stream", "bidi"))
+        assert row["iteration_floor_ms"] == pytest.approx(row["stream_ms"] + row["unary_ms"])
+    grpc_floor.print_table(result)
+
+
+def test_bench_transport_floor_needs_no_models(capsys, monkeypatch):
+    from orchestrator.bench import grpc_floor
+
+    measured = {}
+    real_measure = grpc_floor.measure
+    monkeypatch.setattr(grpc_floor, "measure", lambda block_tokens: measured.setdefault(
+        "result", real_measure(block_tokens=block_tokens, idle_ms=(0.0,), calls=3)))
+    assert main(["bench-transport", "--floor", "--policy", "static:4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == measured["result"]
+    assert measured["result"]["block_tokens"] == 4

@@ -211,3 +211,17 @@ def test_distribution_codec_is_exact_both_ways():
         message = convert.distribution_to_pb(probs)
         assert message.WhichOneof("encoding") == ("sparse" if probs.count_nonzero() < 256 else "dense_f32")
         assert torch.equal(convert.distribution_from_pb(message), probs)
+
+
+def test_stopping_a_draft_server_ends_its_drafting_threads(grpc_stacks, drafts, tokenizer):
+    target = grpc_stacks["noisy"].target
+    draft = draft_service.server.serve(loaded(drafts["noisy"], tokenizer, "tiny-noisy"))
+    orch = start_orchestrator(tokenizer, draft.address, target.address)
+    client = DiscoClient(orch.address, timeout=60)
+    assert client.generate(PROMPTS[0], policy="static:3", max_new_tokens=8).token_ids
+    threads = set(draft.servicers[0].drafting_threads._threads)  # the pool's own threads
+    assert threads and all(thread.is_alive() for thread in threads)
+    client.close(), orch.stop(0), draft.stop(0)
+    for thread in threads:
+        thread.join(timeout=5)
+    assert not any(thread.is_alive() for thread in threads)

@@ -100,8 +100,8 @@ def run(args: argparse.Namespace) -> int:
     oracle_speedup = args.oracle_speedup or next(
         (r["speedup"] for r in rows if r["policy"] == "oracle"), None)
     env = report.environment({
-        "command": "disco " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[0].endswith("disco")
-        else " ".join(shlex.quote(a) for a in sys.argv),
+        # `disco ...` however it was started (the script or `python -m orchestrator.cli`)
+        "command": " ".join(["disco", *(shlex.quote(a) for a in sys.argv[1:])]),
         "dataset": dataset.name, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
         "dtype": args.dtype, "device": args.device, "target": pair.target.spec or "default",
         "draft": pair.draft.spec or "default", "interrupted": result.interrupted})

@@ -46,10 +46,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="torch CPU threads here and in each model process (default: torch's choice; "
                              "1 gives stable numbers on a busy machine)")
     parser.add_argument("--json", action="store_true", help="print only the JSON summary")
+    parser.add_argument("--floor", action="store_true",
+                        help="measure only what bare grpcio costs here (no models; the lower bound of the "
+                             "transport time per iteration, see orchestrator/bench/grpc_floor.py)")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.floor:
+        return _run_floor(args)
     from disco.config import SamplingParams, SpeculationConfig  # noqa: PLC0415 - heavy imports when used
     from disco.models import disco_home  # noqa: PLC0415
     from disco.pipeline import build_local_pipeline, encode_prompt  # noqa: PLC0415
@@ -102,6 +107,17 @@ def run(args: argparse.Namespace) -> int:
               f"{summary['engine_time_ratio']:.3f}, remote/in-process tokens/s "
               f"{summary['tokens_per_s_ratio']:.3f}, identical tokens {summary['identical_rate']:.0%}")
     print(json.dumps(summary))
+    return 0
+
+
+def _run_floor(args: argparse.Namespace) -> int:
+    from orchestrator.bench import grpc_floor  # noqa: PLC0415
+
+    block = int(args.policy.partition(":")[2]) if args.policy.startswith("static:") else 6
+    result = grpc_floor.measure(block_tokens=block)
+    if not args.json:
+        grpc_floor.print_table(result)
+    print(json.dumps(result))
     return 0
 
 
