@@ -113,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
 def _run_floor(args: argparse.Namespace) -> int:
     from orchestrator.bench import grpc_floor  # noqa: PLC0415
 
-    block = int(args.policy.partition(":")[2]) if args.policy.startswith("static:") else 6
+    kind, _, lookahead = args.policy.partition(":")
+    block = int(lookahead) if kind == "static" and lookahead.isdigit() else 6  # a Draft block's tokens
     result = grpc_floor.measure(block_tokens=block)
     if not args.json:
         grpc_floor.print_table(result)
