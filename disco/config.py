@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from disco.errors import InvalidRequest
 
@@ -57,6 +58,23 @@ class SamplingParams:
         for stop in self.stop:
             if not stop:
                 raise InvalidRequest("stop strings must not be empty")
+
+    def resumed_after(self, generated: int) -> "SamplingParams":
+        """The params of a session re-created after ``generated`` tokens were committed
+        (a lost session, a failed replica): the remaining token budget and, when seeded, a
+        seed derived from ``(seed, generated)``. Re-seeding with the request's own seed would
+        replay the random numbers already spent on the committed tokens, so the later samples
+        would be correlated with the earlier ones (each token must come from fresh
+        randomness for the output to be distributed as the target's). Deterministic, so a
+        seeded request that hits the same failure at the same point is still reproducible.
+        """
+        if generated <= 0:
+            return self
+        seed = self.seed
+        if seed is not None:
+            digest = hashlib.sha256(f"disco-resume:{seed}:{generated}".encode()).digest()
+            seed = int.from_bytes(digest[:8], "little") % 2**63
+        return replace(self, max_new_tokens=max(1, self.max_new_tokens - generated), seed=seed)
 
 
 @dataclass(frozen=True)

@@ -145,7 +145,8 @@ class SpeculativeGenerator:
                         logger.warning("draft session %s lost; re-prefilling %d tokens", session_id,
                                        len(prompt_ids) + len(generated))
                         draft_ids.clear(), draft_probs.clear()
-                        uses_draft = self._start_draft(session_id, prompt_ids + generated, draft_sampling,
+                        uses_draft = self._start_draft(session_id, prompt_ids + generated,
+                                                       draft_sampling.resumed_after(len(generated)),
                                                        speculation.policy, None, stats)
                         if uses_draft:
                             self._draft_block(session_id, None, lookahead_cap, draft_ids, draft_probs, stats)
@@ -165,8 +166,7 @@ class SpeculativeGenerator:
                                    len(prompt_ids) + len(generated))
                     stats.target_reprefills += 1
                     self.verifier.start_session(session_id, prompt_ids + generated,
-                                                dataclasses.replace(target_sampling, max_new_tokens=max(
-                                                    1, sampling.max_new_tokens - len(generated))))
+                                                target_sampling.resumed_after(len(generated)))
                     verdict = self.verifier.verify(session_id, draft_ids, block_probs)
                 stats.verify_s += time.perf_counter() - verify_started
                 stats.backend_verify_s += verdict.elapsed_ns / 1e9

@@ -22,9 +22,10 @@ the old one had after the last verdict (prompt + accepted + bonus tokens, the la
 pending), so the next block is drafted and verified against the same prefix. A draft
 stream is read whole before the loop sees any of it, so a stream cut off halfway is
 simply drafted again. A verification repeated after a failure verifies the same block
-against the same prefix. NOTE: with sampling, a re-created session starts a fresh
-random generator from the request's seed: the output is still a correct sample of the
-target distribution, but not the one an undisturbed run would have drawn.
+against the same prefix. With sampling, a session re-created after ``n`` committed tokens gets a seed
+derived from (request seed, ``n``) (:meth:`SamplingParams.resumed_after`): fresh random
+numbers, so the output is still distributed as the target's, and reproducible for the
+same failure at the same point, but not the sample an undisturbed run would have drawn.
 """
 
 from __future__ import annotations
@@ -170,7 +171,7 @@ class FailoverDrafter(_StickySession):
 
     def _start(self, client: RemoteDrafter, backend_id: str) -> PrefillResult:
         done = len(self.track.generated)
-        sampling = dataclasses.replace(self._sampling, max_new_tokens=self._sampling.max_new_tokens - done)
+        sampling = self._sampling.resumed_after(done)
         return client.start_session(backend_id, self.track.committed(), sampling, self._policy_spec,
                                     self._reference_ids if not done else None)
 
@@ -210,7 +211,7 @@ class FailoverVerifier(_StickySession):
 
     def _start(self, client: RemoteVerifier, backend_id: str) -> PrefillResult:
         done = len(self.track.generated)
-        sampling = dataclasses.replace(self._sampling, max_new_tokens=self._sampling.max_new_tokens - done)
+        sampling = self._sampling.resumed_after(done)
         return client.start_session(backend_id, self.track.committed(), sampling)
 
     def start_session(self, session_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> PrefillResult:
