@@ -1,15 +1,15 @@
-"""Cross-session batching: the forwards of concurrent sessions run as one padded batch.
+"""Cross-session batching: the forwards of concurrent sessions run as one forward pass.
 
 Each session keeps its own :class:`~disco.kv.CachedSequence`. When several sessions ask
 for a forward at the same time (concurrent verifications in the target service,
 concurrent drafting steps in the draft service), :class:`ForwardBatcher` runs them as
-one forward pass: the session caches are left-padded to a common length, the pending
-tokens right-padded, an attention mask hides the padding and explicit position ids keep
-each session's RoPE positions; afterwards each session gets back exactly its own cache
-entries. A lone request takes the unbatched path, so a single stream computes exactly
-what it computes without the batcher. Prefills go through the same batcher (a prefill
-feeds all prompt tokens but the last and asks for no logits), so sessions that start
-together are prefilled together; the LM head runs once over every row asked for.
+one *packed* forward: the pending tokens of all sessions form one row, each with its own
+position ids, and attention runs per session over the session's own cache
+(:mod:`disco.packed_forward`). Every session gets exactly the numbers its own forward
+would give — in bf16 too, bit for bit — so batching never changes a token; a lone
+request is a packed forward of one. Prefills go through the same batcher (a prefill feeds
+all prompt tokens but the last and asks for no logits), so sessions that start together
+are prefilled together; the LM head runs once over every row asked for.
 
 Batching window: the sessions of a batch come back for their next step at slightly
 different times (each has a network round trip and some bookkeeping in between).
@@ -19,11 +19,6 @@ at most ``wait_fraction`` of the last forward's duration, for as many requests a
 were live sessions in the last *round* (the sessions served between two forwards of the
 same session). A lone stream never waits (its round has one session); a session that
 ended drops out of the round as soon as its sequence is freed.
-
-NOTE: the padded caches are copied in and out of the batch (tens of MB per step for the
-default pair at long contexts) — simple and exact; a paged KV cache would avoid the copy.
-In float32 a padded batch rounds like an unbatched forward to ~1e-5; the tests check
-every session's greedy tokens equal its run alone.
 """
 
 from __future__ import annotations
@@ -34,9 +29,8 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
-
 from disco.kv import CachedSequence
+from disco.packed_forward import supports_packing
 
 
 @dataclass
@@ -60,7 +54,8 @@ class ForwardBatcher:
     def __init__(self, model: torch.nn.Module, max_batch: int = 16, max_wait_s: float = 0.02,
                  wait_fraction: float = 0.05) -> None:
         self.model = model
-        self.max_batch = max(1, max_batch)
+        self.packed = supports_packing(model)  # else requests run one by one
+        self.max_batch = max(1, max_batch) if self.packed else 1
         self.max_wait_s = max_wait_s
         self.wait_fraction = wait_fraction
         self.model_lock = threading.Lock()  # one forward on the model at a time
@@ -131,11 +126,13 @@ class ForwardBatcher:
         try:
             started = time.perf_counter()
             with self.model_lock:
-                if len(batch) == 1:
-                    _forward_alone(batch[0])
-                else:
-                    for request, result in zip(batch, _padded_forward(self.model, batch)):
-                        request.result = result
+                if self.packed:
+                    results = CachedSequence.forward_batch([r.sequence for r in batch], [r.num_logits for r in batch],
+                                                           [r.want_hidden for r in batch])
+                else:  # a model without packed forwards: one by one
+                    results = [_forward_alone(r) for r in batch]
+                for request, result in zip(batch, results):
+                    request.result = result
             self._last_forward_s = time.perf_counter() - started
             self._count_round([request.sequence for request in batch])
             self.batch_sizes = (self.batch_sizes + [len(batch)])[-1000:]
@@ -147,79 +144,8 @@ class ForwardBatcher:
                 request.done.set()
 
 
-def _forward_alone(request: _Request) -> None:
-    sequence = request.sequence
+def _forward_alone(request: _Request) -> tuple[torch.Tensor, torch.Tensor | None]:
     if request.num_logits == 0:
-        sequence.prefill()
-        request.result = (torch.empty(0), None)
-    else:
-        request.result = sequence.forward(request.num_logits, request.want_hidden)
-
-
-def _pending_tokens(request: _Request) -> list[int]:
-    """What the forward feeds: every pending token, or all but the last for a prefill."""
-    sequence = request.sequence
-    end = len(sequence.tokens) - 1 if request.num_logits == 0 else len(sequence.tokens)
-    return sequence.tokens[sequence.cache_len: end]
-
-
-@torch.inference_mode()
-def _padded_forward(model: torch.nn.Module, batch: list[_Request]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    sequences = [r.sequence for r in batch]
-    device = sequences[0].device
-    cache_lens = [s.cache_len for s in sequences]
-    pending = [_pending_tokens(r) for r in batch]
-    max_cache, max_new = max(cache_lens), max(len(p) for p in pending)
-    size = len(batch)
-
-    # 1. Left-pad every session's cache to max_cache (an empty cache is all padding).
-    batched_cache = DynamicCache(config=model.config)
-    if max_cache:
-        filled = next(s for s in sequences if s.cache_len)
-        for layer_index, template in enumerate(filled.cache.layers):
-            keys, values = [], []
-            for sequence in sequences:
-                if sequence.cache_len:
-                    layer_keys = sequence.cache.layers[layer_index].keys
-                    layer_values = sequence.cache.layers[layer_index].values
-                else:
-                    layer_keys = layer_values = template.keys[:, :, :0]  # [1, kv_heads, 0, head_dim]
-                pad = max_cache - sequence.cache_len
-                keys.append(torch.nn.functional.pad(layer_keys, (0, 0, pad, 0)))
-                values.append(torch.nn.functional.pad(layer_values, (0, 0, pad, 0)))
-            batched_cache.update(torch.cat(keys), torch.cat(values), layer_index)
-
-    # 2. Right-pad the pending tokens; mask both paddings; per-session positions.
-    input_ids = torch.zeros(size, max_new, dtype=torch.long, device=device)
-    attention_mask = torch.zeros(size, max_cache + max_new, dtype=torch.long, device=device)
-    position_ids = torch.zeros(size, max_new, dtype=torch.long, device=device)
-    for row, (cache_len, tokens) in enumerate(zip(cache_lens, pending)):
-        input_ids[row, : len(tokens)] = torch.tensor(tokens, device=device)
-        attention_mask[row, max_cache - cache_len: max_cache + len(tokens)] = 1
-        position_ids[row] = torch.arange(cache_len, cache_len + max_new, device=device)
-
-    # 3. One forward of the decoder; the LM head only on the positions asked for.
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                 cache=batched_cache, use_cache=True).last_hidden_state  # [B, max_new, hidden]
-    # One LM-head matmul for every row asked for: the head is the largest weight matrix,
-    # reading it once per session would cost as much as a forward of a small model.
-    wanted = [hidden[row, len(tokens) - request.num_logits: len(tokens)]  # [num_logits, hidden]
-              for row, (request, tokens) in enumerate(zip(batch, pending))]
-    results: list[tuple[torch.Tensor, torch.Tensor | None]] = [(torch.empty(0), None)] * size  # prefills
-    if any(request.num_logits for request in batch):
-        all_logits = model.get_output_embeddings()(torch.cat(wanted)).float()  # [Σ num_logits, vocab]
-        for row, (request, rows, logits) in enumerate(zip(batch, wanted, all_logits.split([len(w) for w in wanted]))):
-            if request.num_logits:
-                results[row] = (logits, rows.float() if request.want_hidden else None)
-
-    # 4. Give every session back exactly its own cache entries: its padded cache ends at
-    # max_cache and its new tokens follow, so they are one contiguous span of the batch.
-    for row, (sequence, cache_len, tokens) in enumerate(zip(sequences, cache_lens, pending)):
-        start, end = max_cache - cache_len, max_cache + len(tokens)
-        own = DynamicCache(config=model.config)
-        for layer_index, layer in enumerate(batched_cache.layers):
-            own.update(layer.keys[row: row + 1, :, start:end].clone(),
-                       layer.values[row: row + 1, :, start:end].clone(), layer_index)
-        sequence.cache = own
-        sequence.cache_len = cache_len + len(tokens)
-    return results
+        request.sequence.prefill()
+        return torch.empty(0), None
+    return request.sequence.forward(request.num_logits, request.want_hidden)

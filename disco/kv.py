@@ -5,6 +5,10 @@ exactly ``tokens[:cache_len]``; the rest of ``tokens`` is *pending* and is fed t
 model by the next :meth:`CachedSequence.forward`. Rolling back to an accepted prefix is
 :meth:`truncate`, which crops the cache (transformers 5.x ``DynamicCache.crop`` takes
 the negative number of positions to remove).
+
+Forwards go through :func:`disco.packed_forward.packed_forward` (a batch of one), the
+same code the cross-session batcher runs, so a session computes the same bits alone and
+in a batch, and a verified block the same bits as decoding it token by token.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
+from disco.packed_forward import SessionRows, packed_forward, supports_packing
+
 
 class CachedSequence:
     def __init__(self, model: torch.nn.Module, token_ids: Sequence[int]) -> None:
@@ -22,6 +28,7 @@ class CachedSequence:
         self.cache = DynamicCache(config=model.config)
         self.cache_len = 0
         self.device = next(model.parameters()).device
+        self.packed = supports_packing(model)  # else: plain HF forwards (no batching)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -38,6 +45,8 @@ class CachedSequence:
         positions ``[num_logits, vocab]`` (float32) and, if asked, their last hidden
         states ``[num_logits, hidden]``. Afterwards the cache covers all tokens."""
         assert 1 <= num_logits <= self.num_pending, (num_logits, self.num_pending)
+        if self.packed:
+            return self.forward_batch([self], [num_logits], [want_hidden])[0]
         input_ids = torch.tensor([self.tokens[self.cache_len:]], dtype=torch.long, device=self.device)
         output = self.model(
             input_ids=input_ids,
@@ -55,9 +64,28 @@ class CachedSequence:
         """Feed all tokens but the last into the cache (the last stays pending, so the
         next forward yields the first new token's distribution)."""
         if len(self.tokens) - 1 > self.cache_len:
+            if self.packed:
+                self.forward_batch([self], [0], [False])
+                return
             input_ids = torch.tensor([self.tokens[self.cache_len:-1]], dtype=torch.long, device=self.device)
             self.model(input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=1)
             self.cache_len = len(self.tokens) - 1
+
+    @staticmethod
+    def forward_batch(sequences: Sequence["CachedSequence"], num_logits: Sequence[int], want_hidden: Sequence[bool]
+                      ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """One packed forward over several sequences of one model (see :meth:`forward`);
+        ``num_logits[i] == 0`` prefills sequence i (all tokens but the last, no logits)."""
+        rows = []
+        for sequence, count, hidden in zip(sequences, num_logits, want_hidden):
+            assert 0 <= count <= sequence.num_pending, (count, sequence.num_pending)
+            end = len(sequence.tokens) - 1 if count == 0 else len(sequence.tokens)
+            rows.append(SessionRows(sequence.cache, sequence.cache_len, sequence.tokens[sequence.cache_len:end],
+                                    count, hidden))
+        results = packed_forward(sequences[0].model, rows)
+        for sequence, row in zip(sequences, rows):
+            sequence.cache_len += len(row.tokens)
+        return results
 
     def truncate(self, length: int) -> None:
         """Keep ``tokens[:length]`` and drop cache entries beyond it."""

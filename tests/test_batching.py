@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from disco.batching import ForwardBatcher, _padded_forward, _Request
+from disco.batching import ForwardBatcher
 from disco.config import SamplingParams, SpeculationConfig
 from disco.kv import CachedSequence
 from tests.helpers import local_generator
@@ -25,10 +25,10 @@ def _sequences(model):
     return sequences
 
 
-def test_padded_forward_matches_each_session_alone(target_model):
+def test_packed_forward_matches_each_session_alone(target_model):
     alone, batched = _sequences(target_model), _sequences(target_model)
     expected = [s.forward(len(p)) for s, p in zip(alone, PENDING)]
-    results = _padded_forward(target_model, [_Request(s, len(p), True) for s, p in zip(batched, PENDING)])
+    results = CachedSequence.forward_batch(batched, [len(p) for p in PENDING], [True] * len(batched))
     for (expected_logits, _), (logits, hidden) in zip(expected, results):
         torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
         assert torch.equal(logits.argmax(-1), expected_logits.argmax(-1))
@@ -92,12 +92,11 @@ def test_prefills_and_mixed_batches_match_each_session_alone(target_model):
     batched = [CachedSequence(target_model, p) for p in prompts]
     decoding = CachedSequence(target_model, [4, 4, 2])
     decoding.prefill()
-    results = _padded_forward(target_model, [_Request(batched[0], 0, False), _Request(batched[2], 0, False),
-                                             _Request(decoding, 1, False)])
+    results = CachedSequence.forward_batch([batched[0], batched[2], decoding], [0, 0, 1], [False] * 3)
     assert results[0][0].numel() == 0 and results[1][0].numel() == 0
     assert [s.cache_len for s in batched] == [5, 0, 9] and decoding.cache_len == 3
     # Next step: the 1-token prompt (empty cache) batched with the two prefilled sessions.
-    results = _padded_forward(target_model, [_Request(s, 1, False) for s in batched])
+    results = CachedSequence.forward_batch(batched, [1, 1, 1], [False] * 3)
     for (logits, _), expected_logits, sequence in zip(results, expected, batched):
         torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
         assert sequence.cache_len == len(sequence.tokens) == sequence.cache.get_seq_length()
