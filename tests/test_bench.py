@@ -73,3 +73,17 @@ def test_bench_transport_floor_needs_no_models(capsys, monkeypatch):
     assert main(["bench-transport", "--floor", "--policy", "static:4", "--json"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == measured["result"]
     assert measured["result"]["block_tokens"] == 4
+
+
+def test_bench_concurrency_reports_the_identical_rate_at_every_level(tiny_pair_dirs, tmp_path, capsys):
+    """bfloat16, the sensitive dtype: under load every request equals target-only alone."""
+    out = tmp_path / "concurrency.json"
+    code = main(["bench-concurrency", "--target", str(tiny_pair_dirs["target"]), "--draft",
+                 str(tiny_pair_dirs["draft"]), "--dtype", "bfloat16", "--levels", "1,4", "--policy", "static:3",
+                 "--max-new-tokens", "8", "--json-out", str(out)])
+    assert code == 0
+    payload = json.loads(out.read_text())
+    assert payload["identical_alone"] == 1.0
+    assert [row["concurrency"] for row in payload["rows"]] == [1, 4]
+    assert all(row["identical"] == 1.0 and row["errors"] == 0 for row in payload["rows"]), payload["rows"]
+    assert "| identical |" in capsys.readouterr().out
