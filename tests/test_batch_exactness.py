@@ -17,7 +17,7 @@ import threading
 import pytest
 import torch
 
-from disco.config import SamplingParams
+from disco.config import SamplingParams, SpeculationConfig
 from disco.draft_engine import DraftEngine
 from disco.interfaces import DraftToken, Feedback
 from disco.kv import CachedSequence
@@ -203,3 +203,21 @@ def test_concurrent_drafting_equals_each_session_alone(drafts, dtype):
             assert got == expected
     assert max(engine.batcher.batch_sizes) > 1, "the drafting steps were never batched"
     assert engine.active_sessions() == 0
+
+
+@pytest.mark.parametrize("draft_kind", ["random", "noisy"])
+def test_bf16_speculative_output_equals_bf16_target_only(target_model, drafts, tokenizer, draft_kind):
+    """Consequence of the two properties above: in bf16 too, every policy's greedy output is
+    the target-only output, token for token (on CPUs with row-invariant bf16 linears)."""
+    from tests.helpers import PROMPTS, local_generator  # noqa: PLC0415
+
+    target = _cast(target_model, torch.bfloat16)
+    draft = _cast(drafts[draft_kind], torch.bfloat16)
+    generator = local_generator(target, draft, tokenizer)
+    sampling = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt)["input_ids"]
+        reference = generator.generate(ids, sampling, SpeculationConfig(policy="none")).token_ids
+        assert len(set(reference)) > 5  # varied output: a repeated token would hide errors
+        for policy in ("static:1", "static:4", "static:8", "heuristic:2", "confidence:0.4"):
+            assert generator.generate(ids, sampling, SpeculationConfig(policy=policy)).token_ids == reference, policy
