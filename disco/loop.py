@@ -20,10 +20,12 @@ from typing import Iterator, Sequence, Union
 import torch
 
 from disco.config import SamplingParams, SpeculationConfig
+from disco.cost_model import CostModel
 from disco.detokenize import Decode, IncrementalDetokenizer
 from disco.errors import InvalidRequest, SessionNotFound, Unavailable
 from disco.interfaces import DraftSummary, Drafter, Feedback, Verifier
 from disco.policies import parse_policy_spec
+from disco.policies.auto import encode_costs, speculation_pays
 from disco.stats import RequestStats
 
 
@@ -68,12 +70,16 @@ class SpeculativeGenerator:
         decode: Decode,
         eos_token_ids: Sequence[int],
         max_new_tokens_limit: int | None = None,
+        costs: CostModel | None = None,
     ) -> None:
+        """``costs``: the measured engine costs of this deployment; the ``auto`` policy
+        reads them (without them ``auto`` is plain DISCO)."""
         self.drafter = drafter
         self.verifier = verifier
         self.decode = decode
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_new_tokens_limit = max_new_tokens_limit
+        self.costs = costs
 
     def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
                  speculation: SpeculationConfig) -> GenerationResult:
@@ -92,7 +98,7 @@ class SpeculativeGenerator:
         sampling.validate(self.max_new_tokens_limit)
         speculation.validate()
         spec = parse_policy_spec(speculation.policy)
-        if spec.uses_draft and self.drafter is None:
+        if spec.uses_draft and spec.text != "auto" and self.drafter is None:
             raise InvalidRequest(f"policy {spec.text!r} needs a draft model, but none is configured")
         if spec.name == "oracle" and not sampling.is_greedy:
             raise InvalidRequest("the oracle policy is defined for greedy decoding only (temperature 0)")
@@ -102,11 +108,23 @@ class SpeculativeGenerator:
         """Yields a :class:`TokenChunk` per iteration, then one :class:`GenerationResult`."""
         self.validate(prompt_ids, sampling, speculation)
         spec = parse_policy_spec(speculation.policy)
+        if spec.name == "auto" and not spec.argument:
+            speculation = dataclasses.replace(speculation, policy=self.resolve_auto(speculation.max_lookahead))
+            spec = parse_policy_spec(speculation.policy)
         reference_ids = None
         if spec.name == "oracle":  # analysis only: the target's own output first
             reference_ids = self.generate(
                 prompt_ids, sampling, dataclasses.replace(speculation, policy="none")).token_ids
         return self._run(list(prompt_ids), sampling, speculation, spec.uses_draft, reference_ids)
+
+    def resolve_auto(self, max_lookahead: int) -> str:
+        """``auto`` for one request: ``none`` where the measured costs say no lookahead can
+        pay, else ``auto`` carrying the costs to the draft side (see :mod:`disco.policies.auto`)."""
+        if self.costs is None:
+            return "auto"
+        if self.drafter is None or not speculation_pays(self.costs, max_lookahead):
+            return "none"
+        return f"auto:{encode_costs(self.costs)}"
 
     def _run(self, prompt_ids: list[int], sampling: SamplingParams, speculation: SpeculationConfig,
              uses_draft: bool, reference_ids: list[int] | None) -> Iterator[GenerationEvent]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from disco.errors import InvalidRequest
+from disco.policies.auto import auto_factory, decode_costs
 from disco.policies.base import StopPolicy
 from disco.policies.simple import (
     AdaptiveConfidencePolicy,
@@ -42,6 +43,9 @@ POLICY_INFOS: tuple[PolicyInfo, ...] = (
     PolicyInfo("disco", "disco:PATH|default",
                "trained DISCO classifier: stop when P(accept) < tuned threshold; disco:default is the shipped "
                "artifact for the default pair (trained on the HumanEval train split)"),
+    PolicyInfo("auto", "auto",
+               "the default: disco:default's stop decision under a lookahead cap from the measured engine costs; "
+               "target-only where speculation cannot pay (e.g. bf16 on a CPU without bf16 units)"),
     PolicyInfo("oracle", "oracle", "analysis only: drafts exactly the tokens the target will accept (greedy)"),
 )
 
@@ -110,6 +114,8 @@ def parse_policy_spec(spec: str) -> PolicySpec:
     elif name == "disco":
         if not argument:
             raise InvalidRequest(f"malformed policy spec {text!r}: expected disco:PATH or disco:default")
+    elif name == "auto":
+        decode_costs(text, argument)
     elif name not in ("none", "oracle"):
         known = ", ".join(info.syntax for info in POLICY_INFOS)
         raise InvalidRequest(f"unknown policy {name!r} in spec {text!r} (known: {known})")
@@ -145,9 +151,11 @@ class PolicyFactory:
             if reference_ids is None:
                 raise InvalidRequest("the oracle policy needs the target's reference output (in-process analysis only)")
             return OraclePolicy(reference_ids)
-        if name == "disco":
+        if name in ("disco", "auto"):
             if self._learned_loader is None:
                 raise InvalidRequest(f"policy {parsed.text!r} needs a trained DISCO artifact, "
                                      "but this drafter has no artifact loader")
+            if name == "auto":
+                return auto_factory(parsed.text, argument, self._learned_loader("default"))()
             return self._learned_loader(argument)()
         raise AssertionError(f"unhandled policy {name}")  # parse_policy_spec rejects the rest

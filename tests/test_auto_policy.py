@@ -1,0 +1,76 @@
+"""The ``auto`` policy: cost-aware go/no-go per request, a cost-aware cap per block,
+DISCO's stop decision inside it — and exact output whatever it decides."""
+
+import pytest
+
+from disco.config import SamplingParams, SpeculationConfig
+from disco.cost_model import CostModel
+from disco.errors import InvalidRequest
+from disco.policies import PolicyFactory, parse_policy_spec
+from disco.policies.auto import (
+    AutoPolicy, best_lookahead, decode_costs, encode_costs, expected_speedup, speculation_pays)
+from disco.policies.learned import make_learned_loader
+from tests.helpers import PROMPTS, local_generator
+
+# Shapes measured on the project's AVX2 machines (models.md): bf16 verification costs
+# about k one-token forwards, int8 weight-only verification of 2-4 tokens is nearly free.
+BF16_AVX2 = CostModel(t_draft=0.108, t_verify=(0.346, 0.575, 0.72, 0.873, 1.1, 1.25, 1.4, 1.5, 1.534))
+INT8_AVX2 = CostModel(t_draft=0.091, t_verify=(0.236, 0.245, 0.275, 0.29, 0.306, 0.38, 0.45, 0.53, 0.617))
+FREE_VERIFY = CostModel(t_draft=0.01, t_verify=(0.2,))
+
+
+def test_expected_speedup_matches_the_closed_form():
+    # k = 2, a = 0.5: 1 + 0.5 + 0.25 tokens for 2 draft tokens + one verification of 2 (+ bonus)
+    assert expected_speedup(INT8_AVX2, 2, 0.5) == pytest.approx(0.236 * 1.75 / (2 * 0.091 + 0.275))
+    assert expected_speedup(INT8_AVX2, 0, 0.9) == 1.0
+
+
+def test_go_no_go_follows_the_cost_curve():
+    assert not speculation_pays(BF16_AVX2, 8)  # no k pays where verification costs k forwards
+    assert speculation_pays(INT8_AVX2, 8)
+    assert speculation_pays(FREE_VERIFY, 8)
+    # the cap grows with the acceptance rate and shrinks with the verification cost
+    assert best_lookahead(INT8_AVX2, 0.6, 8)[0] <= best_lookahead(INT8_AVX2, 0.9, 8)[0]
+    assert best_lookahead(FREE_VERIFY, 0.9, 8)[0] > best_lookahead(INT8_AVX2, 0.9, 8)[0]
+    assert best_lookahead(BF16_AVX2, 0.3, 8)[0] == 0
+
+
+def test_costs_round_trip_through_the_spec():
+    spec = f"auto:{encode_costs(INT8_AVX2)}"
+    parsed = parse_policy_spec(spec)
+    costs = decode_costs(spec, parsed.argument)
+    assert costs.t_verify == pytest.approx(INT8_AVX2.t_verify, rel=1e-3)
+    assert costs.t_draft == pytest.approx(INT8_AVX2.t_draft, rel=1e-3)
+    for bad in ("auto:td=1", "auto:tv=a/b", "auto:x=1", "auto:tv=1,tv=2"):
+        with pytest.raises(InvalidRequest):
+            parse_policy_spec(bad)
+
+
+def test_the_cap_follows_the_session_acceptance():
+    factory = PolicyFactory(make_learned_loader())
+    policy = factory.build(f"auto:{encode_costs(INT8_AVX2)}")
+    assert isinstance(policy, AutoPolicy) and policy.needs_signals
+    first = policy.begin_block(8)
+    for _ in range(20):  # every block accepted in full: the estimate rises, so does the cap
+        policy.on_feedback(first, first)
+    assert policy.begin_block(8) > first
+    for _ in range(40):  # nothing accepted: the cap falls to target-only-like blocks
+        policy.on_feedback(1, 0)
+    assert policy.begin_block(8) <= 1
+    assert factory.build("auto").begin_block(8) == 8  # no costs: plain DISCO
+
+
+@pytest.mark.parametrize("costs,should_draft", [(BF16_AVX2, False), (INT8_AVX2, True), (None, True)])
+def test_auto_is_exact_and_drafts_only_where_it_pays(target_model, drafts, tokenizer, costs, should_draft):
+    generator = local_generator(target_model, drafts["noisy"], tokenizer,
+                                policy_factory=PolicyFactory(make_learned_loader()))
+    generator.costs = costs
+    sampling = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt)["input_ids"]
+        reference = generator.generate(ids, sampling, SpeculationConfig(policy="none")).token_ids
+        result = generator.generate(ids, sampling, SpeculationConfig(policy="auto"))
+        assert result.token_ids == reference
+        assert (result.stats.draft_tokens > 0) == should_draft
+        if costs is INT8_AVX2:
+            assert max(result.stats.lookaheads) <= best_lookahead(INT8_AVX2, 0.999, 8)[0]
