@@ -1,5 +1,5 @@
 # The two commands of the README's Quickstart:
-#   make demo   - the main job: the default model pair, a streamed completion with stats
+#   make demo   - the main job: the default model pair (auto engine, auto policy), a streamed completion with stats
 #   make test   - the test suite (fast, hermetic: tiny random models, no network)
 # Both create the virtualenv on first use (torch pinned to the CPU build 2.13.0).
 
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/disco demo --policy static:6 --prompt 'def fib(n):' --max-new-tokens 64
+	$(BIN)/disco demo --prompt 'def fib(n):' --max-new-tokens 64
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -77,7 +77,8 @@ class ModelService:
 
     Args:
         role: ``"draft"`` or ``"target"``.
-        model: :class:`disco.config.ModelConfig` fields (spec, dtype, device).
+        model: :class:`disco.config.ModelConfig` fields (spec, dtype, device); dtype ``"auto"``
+            is resolved here, on the node the replica runs on.
         host: interface to bind (``None``: this node's IP as Ray sees it).
         limits: :class:`disco.sessions.SessionLimits` fields.
         tls: ``{"cert", "key", "ca"}`` PEM paths readable on this node: serve TLS; with
@@ -91,15 +92,19 @@ class ModelService:
         import target_service.server  # noqa: PLC0415
         from disco.config import ModelConfig  # noqa: PLC0415
         from disco.models import disco_home, load_model  # noqa: PLC0415
+        from disco.platform import resolve_dtype_here  # noqa: PLC0415
         from disco.sessions import SessionLimits  # noqa: PLC0415
 
         self.role = role
+        model = {**model, "dtype": resolve_dtype_here(model.get("dtype", "auto"), model.get("device", "cpu"))}
         loaded = load_model(ModelConfig(**model), role, disco_home(), progress=False)
         module = draft_service.server if role == "draft" else target_service.server
         host = host or ray.util.get_node_ip_address()
         self._tls = _tls(tls)
         self._running = module.serve(loaded, host=host, port=0, limits=SessionLimits(**(limits or {})),
                                      tls=self._tls, metrics_port=0 if metrics else None)
+        if self._running.metrics is not None:
+            self._running.metrics.describe_engine(model["dtype"], model.get("device", "cpu"))
         self._address = _advertised(host, self._running.port)
         self._service = f"disco.v1.{'DraftService' if role == 'draft' else 'TargetService'}"
         self._model = {"name": loaded.name, "dtype": model.get("dtype"), "device": model.get("device")}

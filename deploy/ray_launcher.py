@@ -50,7 +50,7 @@ class UpConfig:
 
     target: str | None = None
     draft: str | None = None
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # each replica resolves "auto" on its own node (disco.platform.resolve_dtype)
     address: str | None = None  # None: start a local Ray head
     namespace: str = "disco"
     target_gpus: float | None = None

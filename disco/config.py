@@ -10,6 +10,10 @@ from disco.errors import InvalidRequest
 
 DEFAULT_MAX_LOOKAHEAD = 20
 MAX_LOOKAHEAD_LIMIT = 64
+#: The engines a model can run as; "int8" is int8 weight-only with bfloat16 activations.
+ENGINE_DTYPES = ("float32", "bfloat16", "float16", "int8")
+#: What ``--dtype`` accepts: an engine, or "auto" (bf16 where the hardware computes in it, else int8).
+DTYPE_CHOICES = ("auto", *ENGINE_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,7 @@ class SamplingParams:
 class SpeculationConfig:
     """Per-request speculation settings: which stop policy, and the lookahead cap."""
 
-    policy: str = "static:6"  # the CLI default; see orchestrator.commands.generate
+    policy: str = "auto"  # the default everywhere (CLI, services, client): see disco.policies.auto
     max_lookahead: int = DEFAULT_MAX_LOOKAHEAD
 
     def validate(self) -> None:
@@ -100,12 +104,15 @@ class ModelConfig:
     """
 
     spec: str | None = None
-    dtype: str = "bfloat16"
+    dtype: str = "bfloat16"  # a concrete engine (ENGINE_DTYPES); entry points resolve "auto" first
     device: str = "cpu"
 
     def validate(self) -> None:
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise InvalidRequest(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype == "auto":
+            raise InvalidRequest("dtype 'auto' must be resolved into a concrete dtype at the entry point "
+                                 "(disco.platform.resolve_dtype) before a model is configured")
+        if self.dtype not in ENGINE_DTYPES:
+            raise InvalidRequest(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
             raise InvalidRequest(f"device must be cpu or cuda[:N], got {self.device!r}")
 

@@ -7,6 +7,10 @@ device, in the requested dtype), its tokenizer, and the identities the services 
 A ``.gguf`` file is dequantized and converted **once** into a dense bfloat16 HF folder
 under ``<home>/converted/<stem>-<sha12>/``; later loads read that folder (seconds instead
 of about a minute) and cast it to the requested dtype.
+
+``dtype="int8"`` is the int8 weight-only engine (:mod:`disco.quantize`): the dense model is
+quantized once and cached under ``<home>/quantized/<name>-<fingerprint>-<format>/``; later
+loads read only that cache.
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GgufConfig, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from disco import quantize
 from disco.config import ModelConfig, PairConfig
 from disco.errors import ModelError, VocabularyMismatch
 
@@ -32,10 +37,13 @@ logger = logging.getLogger(__name__)
 
 ROLES = ("target", "draft")
 CONVERTED_DIR = "converted"
+QUANTIZED_DIR = "quantized"
 # Written last into a converted folder: marks the conversion complete and names its source.
 SOURCE_FILE = "disco_source.json"
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Torch dtype each engine loads the dense weights in (int8: its compute dtype, then quantized).
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "int8": quantize.COMPUTE_DTYPE}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 _FINGERPRINT_CHARS = 16
 _SAMPLES_PER_FILE = 16
@@ -57,6 +65,9 @@ class LoadedModel:
             tokenizers give equal hashes.
         vocab_size: number of logits the model produces (output embedding rows).
         eos_token_ids: every token id that ends generation, deduplicated.
+        engine: the concrete engine the model runs as: ``"float32"``, ``"bfloat16"``,
+            ``"float16"`` or ``"int8"`` (int8 weight-only, bfloat16 activations); empty
+            when built outside :func:`load_model` (then the weights' dtype tells).
     """
 
     model: PreTrainedModel
@@ -66,6 +77,7 @@ class LoadedModel:
     tokenizer_hash: str
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    engine: str = ""
 
 
 def disco_home() -> Path:
@@ -82,7 +94,9 @@ def load_model(config: ModelConfig, role: str, home: Path, progress: bool = True
 
     Args:
         config: ``spec`` is a local HF folder, a ``.gguf`` file, a hub id, or ``None``
-            for the default model of ``role``; ``dtype`` and ``device`` say how it runs.
+            for the default model of ``role``; ``dtype`` (concrete: ``"auto"`` is resolved
+            at the entry point, see :func:`disco.platform.resolve_dtype`) and ``device``
+            say how it runs.
         role: ``"target"`` or ``"draft"`` (picks the default model; used in log lines).
         home: the disco cache folder (see :func:`disco_home`).
         progress: show progress bars while preparing a default model.
@@ -99,7 +113,11 @@ def load_model(config: ModelConfig, role: str, home: Path, progress: bool = True
     start = time.perf_counter()
     location, name, is_hub = _resolve(config.spec, role, home, progress)
     logger.info("loading %s model %s from %s (%s, %s) ...", role, name, location, config.dtype, config.device)
-    model, tokenizer = _load_hf(location, _DTYPES[config.dtype], is_hub)
+    if config.dtype == "int8":
+        model, tokenizer, fingerprint = _load_int8(location, name, is_hub, home)
+    else:
+        model, tokenizer = _load_hf(location, _DTYPES[config.dtype], is_hub)
+        fingerprint = _hub_fingerprint(location, model) if is_hub else folder_fingerprint(Path(location))
     try:
         model.to(config.device)
     except (RuntimeError, AssertionError) as error:
@@ -109,10 +127,11 @@ def load_model(config: ModelConfig, role: str, home: Path, progress: bool = True
         model=model,
         tokenizer=tokenizer,
         name=name,
-        fingerprint=_hub_fingerprint(location, model) if is_hub else folder_fingerprint(Path(location)),
+        fingerprint=fingerprint,
         tokenizer_hash=tokenizer_hash(tokenizer),
         vocab_size=_vocab_size(model),
         eos_token_ids=_eos_token_ids(model, tokenizer),
+        engine=config.dtype,
     )
     logger.info(
         "loaded %s model %s in %.1f s (vocab %d, eos %s, fingerprint %s)",
@@ -136,6 +155,13 @@ def load_pair(pair: PairConfig, home: Path, progress: bool = True) -> tuple[Load
     draft = load_model(pair.draft, "draft", home, progress)
     check_same_vocabulary(target, draft)
     return target, draft
+
+
+def model_fingerprint(config: ModelConfig, role: str, home: Path) -> str | None:
+    """The fingerprint :func:`load_model` would report, without loading the weights
+    (``None`` for a hub id without a local snapshot). Prepares a default model if needed."""
+    location, _, is_hub = _resolve(config.spec, role, home, progress=False)
+    return _hub_fingerprint(location, None) if is_hub else folder_fingerprint(Path(location))
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
@@ -324,8 +350,9 @@ def _load_hf(location: str, dtype: torch.dtype, is_hub: bool) -> tuple[PreTraine
     return model, tokenizer
 
 
-def _hub_fingerprint(spec: str, model: PreTrainedModel) -> str:
-    """Fingerprint of a hub model: of its resolved local snapshot when there is one."""
+def _hub_fingerprint(spec: str, model: PreTrainedModel | None) -> str | None:
+    """Fingerprint of a hub model: of its resolved local snapshot when there is one (else
+    of its config; ``None`` without a snapshot or a model)."""
     from transformers.utils import cached_file
 
     try:
@@ -334,8 +361,68 @@ def _hub_fingerprint(spec: str, model: PreTrainedModel) -> str:
         config_file = None
     if config_file:
         return folder_fingerprint(Path(config_file).parent)
+    if model is None:
+        return None
     text = f"hub:{spec}:{model.config.to_json_string()}"
     return hashlib.sha256(text.encode()).hexdigest()[:_FINGERPRINT_CHARS]
+
+
+def quantized_folder(home: Path, name: str, fingerprint: str, lm_head: bool = quantize.QUANTIZE_LM_HEAD) -> Path:
+    """Where the int8 engine of the weights ``fingerprint`` is cached."""
+    slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:64]
+    return home / QUANTIZED_DIR / f"{slug}-{fingerprint}-{quantize.QUANT_FORMAT}{'' if lm_head else '-densehead'}"
+
+
+def _load_int8(location: str, name: str, is_hub: bool,
+               home: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
+    """The int8 engine of a model: from the cache when there is one, else quantized from
+    the dense weights (and cached). Returns ``(model, tokenizer, fingerprint)``."""
+    fingerprint = _hub_fingerprint(location, None) if is_hub else folder_fingerprint(Path(location))
+    if fingerprint is not None:
+        folder = quantized_folder(home, name, fingerprint)
+        if quantize.read_manifest(folder) is not None:
+            try:
+                return _load_int8_cached(location, folder), _load_tokenizer(location), fingerprint
+            except Exception as error:  # noqa: BLE001 -- NOTE: a damaged file raises anything; quantize again
+                logger.warning("discarding the quantized cache %s: %s", folder, _first_line(error))
+                shutil.rmtree(folder, ignore_errors=True)
+    start = time.perf_counter()
+    model, tokenizer = _load_hf(location, _DTYPES["int8"], is_hub)
+    fingerprint = fingerprint or _hub_fingerprint(location, model)
+    logger.info("quantizing %s to int8 weight-only (once; cached in %s) ...", name, home / QUANTIZED_DIR)
+    quantize.quantize_model(model)
+    folder = quantized_folder(home, name, fingerprint)
+    manifest = {"source": location, "fingerprint": fingerprint, "lm_head": quantize.QUANTIZE_LM_HEAD,
+                "torch": torch.__version__}
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        quantize.save_quantized(model, folder, manifest)
+    except OSError as error:  # NOTE: a read-only cache only costs the next load a re-quantization
+        logger.warning("could not cache the quantized model in %s: %s", folder, error)
+    logger.info("quantized %s in %.1f s", name, time.perf_counter() - start)
+    return model, tokenizer, fingerprint
+
+
+def _load_int8_cached(location: str, folder: Path) -> PreTrainedModel:
+    """Build the model skeleton on the meta device and fill it from the quantized cache."""
+    config = AutoConfig.from_pretrained(location)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=quantize.COMPUTE_DTYPE)
+    quantize.int8_skeleton(skeleton)
+    model = quantize.load_quantized(skeleton, folder)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(location)
+    except (OSError, ValueError):  # no generation_config.json: the one derived from the config stays
+        pass
+    logger.info("loaded the quantized model from %s", folder)
+    return model
+
+
+def _load_tokenizer(location: str) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(location)
+    except Exception as error:  # noqa: BLE001 -- NOTE: loaders raise anything (hub, json)
+        raise ModelError(f"could not load the tokenizer of {location}: {_first_line(error)}") from error
 
 
 def _sample_bytes(path: Path, size: int) -> bytes:

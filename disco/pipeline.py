@@ -10,6 +10,7 @@ from typing import Sequence
 from transformers import PreTrainedTokenizerBase
 
 from disco.config import ModelConfig, PairConfig
+from disco.cost_model import CostModel
 from disco.detokenize import Decode
 from disco.draft_engine import DraftEngine
 from disco.errors import InvalidRequest
@@ -69,13 +70,17 @@ def default_learned_loader(draft: LoadedModel | None = None) -> LearnedPolicyLoa
 
 
 def build_local_pipeline(pair: PairConfig, home: Path, need_draft: bool = True,
-                         max_new_tokens_limit: int | None = None) -> LocalPipeline:
-    """Load the target (and, unless only ``none`` will run, the draft) and wire them up."""
+                         max_new_tokens_limit: int | None = None, measure_costs: bool = False) -> LocalPipeline:
+    """Load the target (and, unless only ``none`` will run, the draft) and wire them up.
+
+    ``measure_costs``: give the loop the engines' measured costs (cached under ``home``;
+    measured on first use), which the ``auto`` policy reads."""
     target = load_model(pair.target, "target", home)
     draft = None
     if need_draft:
         draft = load_model(pair.draft, "draft", home)
         check_same_vocabulary(target, draft)
+    costs = _measured_costs(pair, target, draft, home) if measure_costs and draft is not None else None
     drafter = DraftEngine(draft.model, PolicyFactory(default_learned_loader(draft))) if draft else None
     generator = SpeculativeGenerator(
         drafter=drafter,
@@ -83,8 +88,23 @@ def build_local_pipeline(pair: PairConfig, home: Path, need_draft: bool = True,
         decode=make_decode(target.tokenizer),
         eos_token_ids=target.eos_token_ids,
         max_new_tokens_limit=max_new_tokens_limit,
+        costs=costs,
     )
     return LocalPipeline(generator=generator, tokenizer=target.tokenizer, target=target, draft=draft)
+
+
+def _measured_costs(pair: PairConfig, target: LoadedModel, draft: LoadedModel, home: Path) -> CostModel:
+    """In-process cost model: the target's forwards over 1..9 new tokens, the draft's per token."""
+    from disco import engine_costs  # noqa: PLC0415
+
+    measured = {}
+    for role, loaded, config, tokens in (("target", target, pair.target, engine_costs.DEFAULT_TARGET_TOKENS),
+                                         ("draft", draft, pair.draft, engine_costs.DEFAULT_DRAFT_TOKENS)):
+        measured[role] = engine_costs.load_or_measure(
+            loaded.model, name=loaded.name, fingerprint=loaded.fingerprint, engine=config.dtype,
+            device=config.device, home=home, request=engine_costs.CostRequest(max_new_tokens=tokens))
+    return CostModel(t_draft=measured["draft"].forward_s[0], t_verify=tuple(measured["target"].forward_s),
+                     source=f"measured in process ({pair.target.dtype})")
 
 
 __all__ = ["LocalPipeline", "build_local_pipeline", "encode_prompt", "make_decode", "ModelConfig"]

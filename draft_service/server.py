@@ -21,7 +21,7 @@ from protos.security import TlsFiles
 def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0, limits: SessionLimits = SessionLimits(),
           policy_factory: PolicyFactory | None = None, artifact_dirs: Sequence[str | os.PathLike] = (),
           max_prompt_tokens: int | None = None, tls: TlsFiles | None = None,
-          metrics_port: int | None = None) -> RunningServer:
+          metrics_port: int | None = None, forward_s: Sequence[float] = ()) -> RunningServer:
     """Start serving ``loaded`` as the draft model; returns at once (the server runs in threads).
 
     Args:
@@ -38,6 +38,7 @@ def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0, limits
             model's context is the only limit.
         tls: serve TLS; with ``tls.ca`` clients must present a certificate it signed (mTLS).
         metrics_port: serve Prometheus ``/metrics`` on ``host:metrics_port`` (0: a free port).
+        forward_s: the model's measured forward costs (:mod:`disco.engine_costs`), reported by ``Info``.
 
     Raises:
         DiscoError: the address cannot be bound.
@@ -46,7 +47,7 @@ def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0, limits
     engine = DraftEngine(loaded.model, policy_factory, limits)
     metrics = ServerMetrics("draft", loaded.name)
     metrics.track_batches(lambda: engine.batcher.batch_sizes)
-    servicer = DraftServicer(engine, loaded, limits, max_prompt_tokens, metrics)
+    servicer = DraftServicer(engine, loaded, limits, max_prompt_tokens, metrics, forward_s)
     # One thread per in-flight call: every session may be drafting at once, plus Info calls.
     return start_server([(draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer, SERVICE_NAME)],
                         host, port, max_workers=limits.max_sessions + 8, tls=tls, metrics=metrics,

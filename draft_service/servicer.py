@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import grpc
 
@@ -27,9 +27,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     """Thin translation layer over one draft engine."""
 
     def __init__(self, engine: DraftEngine, loaded: LoadedModel, limits: SessionLimits,
-                 max_prompt_tokens: int | None = None, metrics: ServerMetrics | None = None) -> None:
+                 max_prompt_tokens: int | None = None, metrics: ServerMetrics | None = None,
+                 forward_s: Sequence[float] = ()) -> None:
         self.engine = engine
         self.loaded = loaded
+        self.forward_s = tuple(forward_s)  # measured forward costs, reported by Info
         self.limits = limits
         self.max_prompt_tokens = max_prompt_tokens  # applies to re-prefills too (prompt + tokens so far)
         self.metrics = metrics or ServerMetrics("draft", loaded.name)
@@ -70,4 +72,5 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     def Info(self, request: common_pb2.ServiceInfoRequest, context: grpc.ServicerContext) -> common_pb2.ServiceInfo:
         return convert.service_info_pb("draft", self.loaded, self.engine.max_context,
-                                       self.engine.active_sessions(), self.limits, time.perf_counter_ns())
+                                       self.engine.active_sessions(), self.limits, time.perf_counter_ns(),
+                                       self.forward_s)

@@ -5,11 +5,14 @@ draft, a target and the orchestrator's tokenizer belong together."""
 
 from __future__ import annotations
 
+import statistics
 import threading
+import time
 
 import grpc
 
-from disco.errors import ModelError, VocabularyMismatch
+from disco.cost_model import CostModel
+from disco.errors import DiscoError, ModelError, VocabularyMismatch
 from orchestrator.failover import FailoverDrafter, FailoverVerifier, SessionTrack
 from orchestrator.remote import CallScope
 from orchestrator.routing import ReplicaSet
@@ -18,6 +21,10 @@ from protos.runtime import error_from_rpc
 from protos.security import TlsFiles
 
 DESCRIBE_TIMEOUT_S = 5.0
+
+
+#: How long an orchestrator goes on without costs before asking the services again.
+COSTS_RETRY_S = 30.0
 
 
 class Backends:
@@ -41,6 +48,8 @@ class Backends:
             self.draft.tls = self.target.tls = tls
         self.tokenizer_hash = tokenizer_hash
         self._target_info: common_pb2.ServiceInfo | None = None
+        self._costs: CostModel | None = None
+        self._costs_retry_at = 0.0  # no costs known: ask the services again after this time
         self._draft_checked = False
         self._lock = threading.Lock()
 
@@ -92,6 +101,32 @@ class Backends:
                         "differs from the orchestrator's; start the orchestrator with --model set to the target model")
                 self._target_info = info
             return self._target_info
+
+    def costs(self) -> CostModel | None:
+        """The deployment's cost model for the ``auto`` policy: the draft's and the target's
+        measured forward costs (from their ``Info``) and the round trip of a call, measured
+        here (median of 3 ``Info`` calls minus their server time). Cached once known;
+        ``None`` while a service reports no costs or cannot be reached."""
+        with self._lock:
+            if self._costs is not None or time.monotonic() < self._costs_retry_at:
+                return self._costs
+            self._costs_retry_at = time.monotonic() + COSTS_RETRY_S
+        try:
+            draft = self.describe("draft")
+            trips = []
+            for _ in range(3):
+                started = time.perf_counter()
+                target = self.describe("target")
+                trips.append(max(0.0, time.perf_counter() - started - target.elapsed_ns / 1e9))
+        except DiscoError:
+            return None
+        if not draft.forward_s or not target.forward_s:
+            return None
+        costs = CostModel(t_draft=draft.forward_s[0], t_verify=tuple(target.forward_s),
+                          t_rtt=statistics.median(trips), source=f"measured by the services ({target.dtype})")
+        with self._lock:
+            self._costs = costs
+        return costs
 
     def check_draft(self) -> None:
         """Check once that the draft shares the target's tokenizer.

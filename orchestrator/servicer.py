@@ -122,7 +122,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             sticky_drafter, verifier = self.backends.session(scope)  # sticky replicas, re-prefilled on failure
             drafter = UnreachableDrafter(draft_down) if draft_down else DegradingDrafter(sticky_drafter)
             generator = SpeculativeGenerator(drafter, verifier, self._locked_decode, target.eos_token_ids,
-                                             self.limits.max_new_tokens)
+                                             self.limits.max_new_tokens,
+                                             costs=self.backends.costs() if speculation.policy == "auto" else None)
             events = generator.stream(prompt_ids, sampling, speculation)
             yield from self.metrics.observe(_with_failovers(events, sticky_drafter, verifier))
 

@@ -163,12 +163,12 @@ def draft_event_from_pb(message: draft_pb2.DraftEvent) -> DraftEvent:
 
 
 def service_info_pb(role: str, loaded: LoadedModel, max_context: int, active_sessions: int,
-                    limits: SessionLimits, started_ns: int) -> common_pb2.ServiceInfo:
-    """What a backend serves (its ``Info`` answer)."""
+                    limits: SessionLimits, started_ns: int, forward_s: Sequence[float] = ()) -> common_pb2.ServiceInfo:
+    """What a backend serves (its ``Info`` answer); ``forward_s``: its measured forward costs."""
     parameter = next(loaded.model.parameters())
     return common_pb2.ServiceInfo(
         role=role, model_name=loaded.name, fingerprint=loaded.fingerprint, tokenizer_hash=loaded.tokenizer_hash,
         vocab_size=loaded.vocab_size, max_context=max_context, eos_token_ids=list(loaded.eos_token_ids),
-        dtype=str(parameter.dtype).removeprefix("torch."), device=str(parameter.device),
+        dtype=loaded.engine or str(parameter.dtype).removeprefix("torch."), device=str(parameter.device),
         active_sessions=active_sessions, max_sessions=limits.max_sessions, idle_ttl_s=limits.idle_ttl_s,
-        version=disco.__version__, elapsed_ns=elapsed_ns(started_ns))
+        version=disco.__version__, elapsed_ns=elapsed_ns(started_ns), forward_s=list(forward_s))

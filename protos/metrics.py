@@ -71,6 +71,21 @@ class ServerMetrics:
 
         gauge.set_function(mean)
 
+    def describe_engine(self, engine: str, device: str, forward_s: Sequence[float] = ()) -> None:
+        """Name the engine this backend runs (``disco_engine_info``) and expose its measured
+        forward costs (``disco_engine_forward_seconds{new_tokens="k"}``, from
+        :mod:`disco.engine_costs`)."""
+        Info("disco_engine", "The engine the model runs as (concrete dtype; int8 = int8 weight-only, "
+             "bfloat16 activations) and its device", registry=self.registry).info(
+            {"engine": engine, "device": device})
+        if forward_s:
+            gauge = Gauge("disco_engine_forward_seconds",
+                          "Measured seconds of one model forward over new_tokens new tokens after a ~200-token "
+                          "context (median; measured once per model, engine, device and thread count)",
+                          ["new_tokens"], registry=self.registry)
+            for k, seconds in enumerate(forward_s, start=1):
+                gauge.labels(str(k)).set(seconds)
+
     def serve_http(self, host: str, port: int) -> int:
         """Serve ``/metrics`` on ``host:port`` (0: a free port) in a daemon thread; returns the port."""
         self._http, _ = start_http_server(port, addr=host.strip("[]"), registry=self.registry)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from disco.models import LoadedModel
 from disco.sessions import SessionLimits
 from disco.target_engine import TargetEngine
@@ -14,7 +16,7 @@ from target_service.servicer import SERVICE_NAME, TargetServicer
 
 def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0, limits: SessionLimits = SessionLimits(),
           max_prompt_tokens: int | None = None, tls: TlsFiles | None = None,
-          metrics_port: int | None = None) -> RunningServer:
+          metrics_port: int | None = None, forward_s: Sequence[float] = ()) -> RunningServer:
     """Start serving ``loaded`` as the target model; returns at once (the server runs in threads).
 
     Args:
@@ -26,6 +28,7 @@ def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0, limits
             model's context is the only limit.
         tls: serve TLS; with ``tls.ca`` clients must present a certificate it signed (mTLS).
         metrics_port: serve Prometheus ``/metrics`` on ``host:metrics_port`` (0: a free port).
+        forward_s: the model's measured forward costs (:mod:`disco.engine_costs`), reported by ``Info``.
 
     Raises:
         DiscoError: the address cannot be bound.
@@ -33,7 +36,7 @@ def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0, limits
     engine = TargetEngine(loaded.model, limits)
     metrics = ServerMetrics("target", loaded.name)
     metrics.track_batches(lambda: engine.batcher.batch_sizes)
-    servicer = TargetServicer(engine, loaded, limits, max_prompt_tokens, metrics)
+    servicer = TargetServicer(engine, loaded, limits, max_prompt_tokens, metrics, forward_s)
     return start_server([(target_pb2_grpc.add_TargetServiceServicer_to_server, servicer, SERVICE_NAME)],
                         host, port, max_workers=limits.max_sessions + 8, tls=tls, metrics=metrics,
                         metrics_port=metrics_port)

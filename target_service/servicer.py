@@ -7,6 +7,7 @@ Domain errors raised by the engine become status codes in
 from __future__ import annotations
 
 import time
+from typing import Sequence
 
 import grpc
 
@@ -25,9 +26,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     """Thin translation layer over one target engine."""
 
     def __init__(self, engine: TargetEngine, loaded: LoadedModel, limits: SessionLimits,
-                 max_prompt_tokens: int | None = None, metrics: ServerMetrics | None = None) -> None:
+                 max_prompt_tokens: int | None = None, metrics: ServerMetrics | None = None,
+                 forward_s: Sequence[float] = ()) -> None:
         self.engine = engine
         self.loaded = loaded
+        self.forward_s = tuple(forward_s)  # measured forward costs, reported by Info
         self.limits = limits
         self.max_prompt_tokens = max_prompt_tokens  # applies to re-prefills too (prompt + tokens so far)
         self.metrics = metrics or ServerMetrics("target", loaded.name)
@@ -60,4 +63,5 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     def Info(self, request: common_pb2.ServiceInfoRequest, context: grpc.ServicerContext) -> common_pb2.ServiceInfo:
         return convert.service_info_pb("target", self.loaded, self.engine.max_context,
-                                       self.engine.active_sessions(), self.limits, time.perf_counter_ns())
+                                       self.engine.active_sessions(), self.limits, time.perf_counter_ns(),
+                                       self.forward_s)

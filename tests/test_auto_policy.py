@@ -74,3 +74,30 @@ def test_auto_is_exact_and_drafts_only_where_it_pays(target_model, drafts, token
         assert (result.stats.draft_tokens > 0) == should_draft
         if costs is INT8_AVX2:
             assert max(result.stats.lookaheads) <= best_lookahead(INT8_AVX2, 0.999, 8)[0]
+
+
+@pytest.mark.parametrize("costs,should_draft", [(BF16_AVX2, False), (INT8_AVX2, True)])
+def test_auto_over_grpc_reads_the_costs_the_services_report(target_model, drafts, tokenizer, costs, should_draft):
+    """The services report their measured forward costs in Info; the orchestrator builds
+    the cost model from them (plus the measured round trip) and ``auto`` follows it."""
+    import draft_service.server  # noqa: PLC0415
+    import target_service.server  # noqa: PLC0415
+    from orchestrator.client import DiscoClient  # noqa: PLC0415
+    from tests.grpc_fixtures import CLIENT_TIMEOUT_S, loaded, start_orchestrator  # noqa: PLC0415
+
+    target = target_service.server.serve(loaded(target_model, tokenizer, "tiny-target"), forward_s=costs.t_verify)
+    draft = draft_service.server.serve(loaded(drafts["noisy"], tokenizer, "tiny-draft"),
+                                       policy_factory=PolicyFactory(make_learned_loader()), forward_s=(costs.t_draft,))
+    orchestrator = start_orchestrator(tokenizer, draft.address, target.address)
+    try:
+        with DiscoClient(orchestrator.address, timeout=CLIENT_TIMEOUT_S) as client:
+            reference = client.generate(PROMPTS[0], policy="none", max_new_tokens=16, ignore_eos=True)
+            result = client.generate(PROMPTS[0], policy="auto", max_new_tokens=16, ignore_eos=True)
+        assert result.token_ids == reference.token_ids
+        assert (result.stats["draft_tokens"] > 0) == should_draft
+        model = orchestrator.servicers[0].backends.costs()
+        assert model.t_verify == pytest.approx(costs.t_verify) and model.t_draft == pytest.approx(costs.t_draft)
+        assert 0 <= model.t_rtt < 1.0
+    finally:
+        for server in (orchestrator, draft, target):
+            server.stop(0)

@@ -12,6 +12,13 @@ from pathlib import Path
 COLUMNS = ("policy", "transport", "tokens_per_s", "speedup", "speedup_min", "speedup_max", "identical",
            "mean_first_divergence", "acceptance_rate", "mean_lookahead", "target_forwards", "draft_forwards",
            "generated_tokens", "prompts", "repeats")
+# shown only when some row has them (decode rates; the llama.cpp peer's extra measurements)
+OPTIONAL_COLUMNS = ("decode_tokens_per_s", "decode_speedup", "prompt_tokens_per_s", "prompt_tokens", "note")
+
+
+def columns(rows: list[dict]) -> tuple[str, ...]:
+    """:data:`COLUMNS`, plus the optional ones some row has."""
+    return COLUMNS + tuple(c for c in OPTIONAL_COLUMNS if any(r.get(c) is not None for r in rows))
 
 
 def environment(extra: dict) -> dict:
@@ -24,6 +31,41 @@ def environment(extra: dict) -> dict:
             "mkl_cbwr": os.environ.get("MKL_CBWR"), "python": platform.python_version(), **extra}
 
 
+def engine_costs(pair, home: Path, loaded: dict | None = None, progress: bool = True) -> dict:
+    """Per role, the measured forward costs (:mod:`disco.engine_costs`) of the engine the
+    benchmark ran, as JSON (or ``None``).
+
+    Args:
+        pair: the resolved :class:`disco.config.PairConfig` (concrete dtypes).
+        home: the disco cache folder.
+        loaded: ``{"target": LoadedModel, "draft": LoadedModel}`` when the models run in
+            this process: measured here if not cached yet.
+        progress: show a progress bar while measuring.
+
+    Without ``loaded`` (services started by the benchmark) the costs are read from the
+    cache the services filled at startup, for this process's thread count.
+    """
+    import torch  # noqa: PLC0415
+
+    from disco import engine_costs as costs_module  # noqa: PLC0415
+    from disco.models import model_fingerprint  # noqa: PLC0415
+
+    result = {}
+    for role, config in (("target", pair.target), ("draft", pair.draft)):
+        tokens = costs_module.DEFAULT_TARGET_TOKENS if role == "target" else costs_module.DEFAULT_DRAFT_TOKENS
+        model = (loaded or {}).get(role)
+        if model is not None:
+            costs = costs_module.load_or_measure(
+                model.model, name=model.name, fingerprint=model.fingerprint, engine=config.dtype, device=config.device,
+                home=home, request=costs_module.CostRequest(max_new_tokens=tokens), progress=progress)
+        else:
+            fingerprint = model_fingerprint(config, role, home)
+            costs = costs_module.read_cached(home, fingerprint, config.dtype, config.device, torch.get_num_threads(),
+                                             None) if fingerprint else None
+        result[role] = costs.to_json() if costs is not None else None
+    return result
+
+
 def _cell(value) -> str:
     if value is None:
         return "–"
@@ -33,9 +75,10 @@ def _cell(value) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    header = "| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n"
+    shown = columns(rows)
+    header = "| " + " | ".join(shown) + " |\n|" + "---|" * len(shown) + "\n"
     ordered = sorted(rows, key=lambda r: (r["transport"], -r["speedup"]))
-    return header + "".join("| " + " | ".join(_cell(row.get(c)) for c in COLUMNS) + " |\n" for row in ordered)
+    return header + "".join("| " + " | ".join(_cell(row.get(c)) for c in shown) + " |\n" for row in ordered)
 
 
 def write_reports(rows: list[dict], env: dict, json_out: Path | None, report_dir: Path | None,
@@ -51,7 +94,7 @@ def write_reports(rows: list[dict], env: dict, json_out: Path | None, report_dir
             f"# disco bench\n\n`{env.get('command', '')}`\n\n{markdown_table(rows)}\n"
             + "".join(f"- {key}: {value}\n" for key, value in env.items() if key != "command"))
         with open(report_dir / "bench.csv", "w", newline="", encoding="utf-8") as handle:
-            writer = csv.DictWriter(handle, fieldnames=COLUMNS, extrasaction="ignore")
+            writer = csv.DictWriter(handle, fieldnames=columns(rows), extrasaction="ignore")
             writer.writeheader()
             writer.writerows(rows)
         if plots:

@@ -116,6 +116,7 @@ def summarize(run: BenchRun) -> list[dict]:
         diverged = [d for d in divergences if d is not None]
         stats = [outcomes[k].stats for k in prompt_keys if outcomes[k].stats]
         draft_tokens = sum(s["draft_tokens"] for s in stats)
+        decode_s = sum(s["wall_s"] - s["prefill_s"] for s in stats if "prefill_s" in s and "wall_s" in s)
         rows.append({
             "policy": policy, "transport": transport, "prompts": len(prompt_keys), "repeats": len(repeats),
             "tokens_per_s": statistics.median(rates), "tokens_per_s_min": min(rates),
@@ -128,6 +129,8 @@ def summarize(run: BenchRun) -> list[dict]:
             "target_forwards": statistics.mean(s["target_forwards"] for s in stats) if stats else None,
             "draft_forwards": statistics.mean(s["draft_forwards"] for s in stats) if stats else None,
             "generated_tokens": statistics.mean(len(outcomes[k].token_ids) for k in prompt_keys),
+            # without the prompt's prefill (first repeat), as llama.cpp's decode rate
+            "decode_tokens_per_s": (sum(s["generated_tokens"] for s in stats) / decode_s) if decode_s > 0 else None,
         })
     return rows
 

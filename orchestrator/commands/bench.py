@@ -26,8 +26,17 @@ def register(subparsers) -> None:
     parser.add_argument("--transport", choices=["local", "grpc", "both"], default="local")
     parser.add_argument("--server", default=None, metavar="HOST:PORT",
                         help="grpc transport: use this orchestrator instead of starting the services here")
-    parser.add_argument("--peer", choices=["hf"], default=None,
-                        help="add the row hf-assisted: HF transformers assisted generation, default settings")
+    parser.add_argument("--peer", choices=["hf", "llamacpp"], default=None,
+                        help="hf: add the row hf-assisted (HF transformers assisted generation, default settings); "
+                             "llamacpp: add llama.cpp rows on the same .gguf files, target-only and speculative "
+                             "(its defaults plus a draft sweep); needs pip install -e '.[peers]' (docs/peers.md)")
+    parser.add_argument("--llamacpp-bin", type=Path, default=None, metavar="DIR",
+                        help="--peer llamacpp: folder holding llama-completion and llama-speculative-simple "
+                             "(default: the [peers] extra's, $DISCO_HOME/peers/llama.cpp/bin, then PATH)")
+    parser.add_argument("--llamacpp-n-max", default="2,4,8", metavar="N,...",
+                        help="--peer llamacpp: --spec-draft-n-max values to sweep ('' for its defaults only)")
+    parser.add_argument("--llamacpp-p-min", default="0,0.75", metavar="P,...",
+                        help="--peer llamacpp: --spec-draft-p-min values to sweep ('' for its defaults only)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--no-warmup", action="store_true")
     parser.add_argument("--oracle-speedup", type=float, default=None,
@@ -56,15 +65,18 @@ def run(args: argparse.Namespace) -> int:
     dataset = load_dataset(args.dataset, args.limit)
     pair = pair_config_from_args(args)
     home = disco_home()
+    llamacpp_settings = _llamacpp_settings(args, pair, home) if args.peer == "llamacpp" else None
 
     runners, peer, services, client = {}, None, None, None
-    tokenizer = None
+    tokenizer, loaded, costs = None, None, None
+    engine = pair.target.dtype  # --dtype auto resolved; a remote --server reports its own below
     try:
-        if args.transport in ("local", "both") or args.peer:
+        if args.transport in ("local", "both") or args.peer == "hf":
             from disco.pipeline import build_local_pipeline  # noqa: PLC0415
 
-            pipeline = build_local_pipeline(pair, home)
+            pipeline = build_local_pipeline(pair, home, measure_costs="auto" in policies)
             tokenizer = pipeline.tokenizer
+            loaded = {"target": pipeline.target, "draft": pipeline.draft}
             if args.transport in ("local", "both"):
                 runners["local"] = transports.LocalRunner(pipeline.generator)
             if args.peer == "hf":
@@ -82,10 +94,14 @@ def run(args: argparse.Namespace) -> int:
                 address = services.addresses["orchestrator"]
             client = DiscoClient(address, timeout=3600)
             runners["grpc"] = transports.GrpcRunner(client)
+            if args.server:
+                engine = (client.info()["models"].get("target") or {}).get("dtype") or "unknown"
             if tokenizer is None:
                 from orchestrator.server import load_tokenizer  # noqa: PLC0415
 
                 tokenizer = load_tokenizer(pair.target.spec, home)
+        if loaded is not None or not args.server:  # measured (once, cached) before the benchmark
+            costs = report.engine_costs(pair, home, loaded)
         prompts = [item.encode(tokenizer) for item in dataset.items]
         config = runner.BenchConfig(policies=policies, sampling=sampling, max_lookahead=args.max_lookahead,
                                     repeats=args.repeats, warmup=not args.no_warmup)
@@ -97,14 +113,19 @@ def run(args: argparse.Namespace) -> int:
             services.stop()
 
     rows = runner.summarize(result)
+    llamacpp_env = None
+    if llamacpp_settings is not None and not result.interrupted:
+        llamacpp_rows, llamacpp_env = _run_llamacpp(llamacpp_settings, dataset, tokenizer, prompts, args.repeats)
+        rows += llamacpp_rows
     oracle_speedup = args.oracle_speedup or next(
         (r["speedup"] for r in rows if r["policy"] == "oracle"), None)
     env = report.environment({
         # `disco ...` however it was started (the script or `python -m orchestrator.cli`)
         "command": " ".join(["disco", *(shlex.quote(a) for a in sys.argv[1:])]),
         "dataset": dataset.name, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-        "dtype": args.dtype, "device": args.device, "target": pair.target.spec or "default",
-        "draft": pair.draft.spec or "default", "interrupted": result.interrupted})
+        "dtype": engine, "engine": engine, "dtype_requested": args.dtype, "engine_costs": costs,
+        "device": args.device, "target": pair.target.spec or "default",
+        "draft": pair.draft.spec or "default", "interrupted": result.interrupted, "llamacpp": llamacpp_env})
     print(report.markdown_table(rows))
     report.write_reports(rows, env, args.json_out, args.report_dir, plots={
         "traces": runner.lookahead_traces(result), "histograms": runner.lookahead_histograms(result),
@@ -113,3 +134,52 @@ def run(args: argparse.Namespace) -> int:
         print("interrupted: the table covers the prompts completed by every row", file=sys.stderr)
         return 130
     return 0
+
+
+def _llamacpp_settings(args: argparse.Namespace, pair, home: Path):
+    """The llama.cpp peer's settings, or ``None`` (with a message) when it cannot run here:
+    the rest of the benchmark runs regardless."""
+    import torch  # noqa: PLC0415
+
+    from orchestrator.bench import llamacpp  # noqa: PLC0415
+
+    sweep_n_max = _numbers(args.llamacpp_n_max, int, "--llamacpp-n-max", 1, 64)
+    sweep_p_min = _numbers(args.llamacpp_p_min, float, "--llamacpp-p-min", 0.0, 1.0)
+    try:
+        binaries = llamacpp.find_binaries(args.llamacpp_bin, home)
+        target_gguf, draft_gguf = llamacpp.find_ggufs(pair, home)
+    except llamacpp.LlamaCppError as error:
+        print(f"--peer llamacpp skipped (the rest of the benchmark runs): {error}", file=sys.stderr)
+        return None
+    return llamacpp.LlamaCppSettings(
+        *binaries, target_gguf, draft_gguf, max_new_tokens=args.max_new_tokens, threads=torch.get_num_threads(),
+        sweep_n_max=sweep_n_max, sweep_p_min=sweep_p_min, warmup=not args.no_warmup)
+
+
+def _numbers(text: str, kind, flag: str, low: float, high: float) -> tuple:
+    try:
+        values = tuple(kind(v) for v in text.split(",") if v.strip())
+    except ValueError as error:
+        raise InvalidRequest(f"{flag}: expected comma-separated numbers, got {text!r}") from error
+    if any(not low <= v <= high for v in values):
+        raise InvalidRequest(f"{flag}: values must lie in [{low:g}, {high:g}], got {text!r}")
+    return values
+
+
+def _run_llamacpp(settings, dataset, tokenizer, prompts: list[list[int]], repeats: int) -> tuple[list[dict], dict]:
+    """llama.cpp's rows and what the JSON records about the run (or an error, printed)."""
+    from orchestrator.bench import llamacpp  # noqa: PLC0415
+
+    # raw text, tokenized by llama.cpp itself (a chat: rendered with the tokenizer's template, turn opened)
+    texts = [(item.prompt or "") if item.messages is None else tokenizer.apply_chat_template(
+        list(item.messages), add_generation_prompt=True, tokenize=False) for item in dataset.items]
+    env = llamacpp.describe(settings, prompts)
+    try:
+        rows = llamacpp.summarize(llamacpp.run_peer(settings, texts, repeats))
+    except KeyboardInterrupt:
+        print("--peer llamacpp interrupted: no llama.cpp rows", file=sys.stderr)
+        return [], {**env, "error": "interrupted"}
+    except llamacpp.LlamaCppError as error:
+        print(f"--peer llamacpp failed (our rows are reported): {error}", file=sys.stderr)
+        return [], {**env, "error": str(error)}
+    return rows, env

@@ -21,7 +21,7 @@ import json
 import time
 from dataclasses import replace
 
-from orchestrator.commands.common import add_model_args, pair_config_from_args
+from orchestrator.commands.common import add_model_args, dtype_from_args, pair_config_from_args
 
 PROMPTS = (
     "def fib(n):",
@@ -150,7 +150,7 @@ def _summary(rows: list[dict], args: argparse.Namespace, target: str, draft: str
     local_s, remote_s = sum(row["local_s"] for row in rows), sum(row["remote_s"] for row in rows)
     iterations = sum(row["iterations"] for row in rows)
     return {
-        "target": target, "draft": draft, "dtype": args.dtype, "device": args.device, "threads": args.threads,
+        "target": target, "draft": draft, "dtype": dtype_from_args(args), "device": args.device, "threads": args.threads,
         "policy": args.policy,
         "max_new_tokens": args.max_new_tokens, "runs": len(rows), "iterations": iterations,
         "local_tokens_per_s": tokens / local_s, "remote_tokens_per_s": tokens / remote_s,

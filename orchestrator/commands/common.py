@@ -4,7 +4,21 @@ from __future__ import annotations
 
 import argparse
 
-from disco.config import ModelConfig, PairConfig
+from disco.config import DTYPE_CHOICES, ModelConfig, PairConfig
+from disco.platform import resolve_dtype_here
+
+DTYPE_HELP = ("engine: auto (default: bfloat16 on CUDA and on CPUs with AMX or AVX-512-BF16, else int8), "
+              "bfloat16, float16, float32 (to check exactness) or int8 (int8 weight-only, bfloat16 activations)")
+
+
+def add_dtype_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--dtype`` (default ``auto``); resolve it with :func:`dtype_from_args`."""
+    parser.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES), help=DTYPE_HELP)
+
+
+def dtype_from_args(args: argparse.Namespace) -> str:
+    """The concrete engine ``--dtype`` names on ``--device`` here (``auto`` resolved once)."""
+    return resolve_dtype_here(args.dtype, getattr(args, "device", "cpu"))
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -14,15 +28,16 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        help="target model: HF folder, hub id or .gguf file (default: the prepared default pair)")
     group.add_argument("--draft", default=None,
                        help="draft model: HF folder, hub id or .gguf file (default: the prepared default pair)")
-    group.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
-                       help="weights and compute dtype (default bfloat16; use float32 to check exactness)")
+    add_dtype_arg(group)
     group.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
 
 
 def pair_config_from_args(args: argparse.Namespace) -> PairConfig:
+    """Both models' configs, with ``--dtype auto`` resolved into the engine used here."""
+    dtype = dtype_from_args(args)
     pair = PairConfig(
-        target=ModelConfig(spec=args.target, dtype=args.dtype, device=args.device),
-        draft=ModelConfig(spec=args.draft, dtype=args.dtype, device=args.device),
+        target=ModelConfig(spec=args.target, dtype=dtype, device=args.device),
+        draft=ModelConfig(spec=args.draft, dtype=dtype, device=args.device),
     )
     pair.target.validate()
     pair.draft.validate()

@@ -215,7 +215,7 @@ def run_cost_model(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     target, draft = load_pair(pair_config_from_args(args), disco_home())
     model = measure(target.model, draft.model, max_k=args.max_k, repeats=args.repeats, rtt=args.rtt,
-                    source=f"measured: {target.name} / {draft.name}, {args.dtype}, {args.device}, "
+                    source=f"measured: {target.name} / {draft.name}, {target.engine}, {args.device}, "
                            f"{torch.get_num_threads()} threads")
     model.save(args.out)
     print(json.dumps(model.to_json(), indent=2))

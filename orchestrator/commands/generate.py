@@ -16,7 +16,7 @@ from orchestrator.commands.common import (
     pair_config_from_args,
 )
 
-DEFAULT_POLICY = "static:6"
+DEFAULT_POLICY = "auto"
 
 
 def add_request_args(parser: argparse.ArgumentParser) -> None:
@@ -73,8 +73,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.prompt.strip():
         from disco.errors import InvalidRequest  # noqa: PLC0415
         raise InvalidRequest("prompt is empty")
-    pipeline = build_local_pipeline(pair_config_from_args(args), disco_home(),
-                                    need_draft=parse_policy_spec(speculation.policy).uses_draft)
+    pair = pair_config_from_args(args)  # --dtype auto resolved: the stats line names the engine used
+    pipeline = build_local_pipeline(pair, disco_home(), need_draft=parse_policy_spec(speculation.policy).uses_draft,
+                                    measure_costs=speculation.policy == "auto")
     prompt_ids = encode_prompt(pipeline.tokenizer, args.prompt, args.chat)
     result = None
     for event in pipeline.generator.stream(prompt_ids, sampling, speculation):
@@ -88,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         print(result_json(result.token_ids, result.text, result.stats.to_dict(), result.finish_reason))
     else:
         print()
-        print(f"[{speculation.policy}] {result.stats.summary_line()}", file=sys.stderr)
+        print(f"[{speculation.policy} | {pair.target.dtype}] {result.stats.summary_line()}", file=sys.stderr)
     return 0
 
 

@@ -12,7 +12,7 @@ import os
 import time
 
 from disco.errors import DiscoError
-from orchestrator.commands.common import add_deployment_security_args, add_server_security_args
+from orchestrator.commands.common import add_deployment_security_args, add_dtype_arg, add_server_security_args
 
 DEFAULT_NAMESPACE = "disco"
 DEFAULT_PORT = 50051
@@ -28,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--target", default=None, help="target model: HF folder, hub id or .gguf file, readable on "
                         "every node (default: the default pair's)")
     parser.add_argument("--draft", default=None, help="draft model (default: the default pair's)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    add_dtype_arg(parser)  # NOTE: auto is resolved by each replica, on its own node (GPU or CPU flags)
     for role in ("target", "draft"):
         parser.add_argument(f"--{role}-gpus", type=float, default=None, metavar="N",
                             help=f"GPUs per {role} replica (default: 1 if the cluster has GPUs, else 0)")

@@ -22,9 +22,11 @@ from disco.errors import DiscoError
 from disco.sessions import SessionLimits
 from orchestrator.commands.common import (
     add_deployment_security_args,
+    add_dtype_arg,
     add_model_args,
     add_operations_args,
     add_server_security_args,
+    dtype_from_args,
     pair_config_from_args,
 )
 
@@ -36,8 +38,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         parser = subparsers.add_parser(f"{role}-server", help=f"run the {role} service (one model) over gRPC")
         parser.add_argument("--model", default=None,
                             help=f"{role} model: HF folder, hub id or .gguf file (default: the default pair's)")
-        parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+        add_dtype_arg(parser)
         parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+        parser.add_argument("--no-engine-costs", action="store_true",
+                            help="do not measure the model's forward costs at startup (they are measured once per "
+                                 "model, engine, device and thread count and cached; see `disco models calibrate`)")
         parser.add_argument("--max-sessions", type=int, default=SessionLimits.max_sessions,
                             help=f"concurrent sessions (default {SessionLimits.max_sessions})")
         parser.add_argument("--idle-ttl", type=float, default=SessionLimits.idle_ttl_s,
@@ -107,20 +112,50 @@ def _run_backend(args: argparse.Namespace) -> int:
         raise DiscoError("--tls-ca on a backend needs --tls-cert and --tls-key (its own certificate)")
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = ModelConfig(spec=args.model, dtype=args.dtype, device=args.device)
-    loaded = load_model(config, args.role, disco_home())
+    config = ModelConfig(spec=args.model, dtype=dtype_from_args(args), device=args.device)
+    config.validate()
+    if args.no_engine_costs:
+        loaded, costs = load_model(config, args.role, disco_home()), None
+    else:
+        loaded, costs = _load_and_measure(config, args.role)
     limits = SessionLimits(max_sessions=args.max_sessions, idle_ttl_s=args.idle_ttl)
     options = dict(host=args.host, port=args.port, limits=limits, max_prompt_tokens=args.max_prompt_tokens or None,
-                   tls=tls, metrics_port=args.metrics_port)
+                   tls=tls, metrics_port=args.metrics_port, forward_s=costs.forward_s if costs else ())
     if args.role == "draft":
         running = draft_service.server.serve(
             loaded, artifact_dirs=args.artifact_dir or [disco_home() / "artifacts"], **options)
     else:
         running = target_service.server.serve(loaded, **options)
+    if running.metrics is not None:
+        running.metrics.describe_engine(config.dtype, config.device, costs.forward_s if costs else ())
     _warn_if_exposed(args.host, tls is not None)
     _announce(args.role, running.address, loaded.name, args.json, running.metrics_address)
     serve_until_signal([running])
     return 0
+
+
+def _load_and_measure(config: ModelConfig, role: str):
+    """Load the model and its measured forward costs (cached; measured on the first start):
+    the target's over 1..9 new tokens, the draft's per token (``None`` if measuring fails).
+
+    Both under the machine's measurement lock, so that one service's measurement never
+    runs next to another's model load (``disco serve`` starts both at once)."""
+    from disco import engine_costs  # noqa: PLC0415
+    from disco.models import disco_home, load_model  # noqa: PLC0415
+
+    home = disco_home()
+    tokens = engine_costs.DEFAULT_TARGET_TOKENS if role == "target" else engine_costs.DEFAULT_DRAFT_TOKENS
+    with engine_costs.machine_lock(home):
+        loaded = load_model(config, role, home)
+        try:
+            costs = engine_costs.load_or_measure(
+                loaded.model, name=loaded.name, fingerprint=loaded.fingerprint, engine=config.dtype,
+                device=config.device, home=home, request=engine_costs.CostRequest(max_new_tokens=tokens),
+                progress=False, lock=False)
+        except (DiscoError, RuntimeError) as error:  # NOTE: serving matters more than the numbers
+            logging.getLogger(__name__).warning("could not measure the engine costs: %s", error)
+            costs = None
+    return loaded, costs
 
 
 def _run_orchestrator(args: argparse.Namespace) -> int:

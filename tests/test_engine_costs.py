@@ -1,0 +1,112 @@
+"""Measured engine costs (disco.engine_costs) and `disco models calibrate`: a sane
+structure on tiny models, the cache per (model, engine, device, threads), and the CLI.
+Timings themselves are never asserted."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from disco import engine_costs
+from disco.engine_costs import CostRequest, EngineCosts, load_or_measure, measure_forward_costs
+from disco.errors import InvalidRequest
+from orchestrator.cli import main
+
+SMALL = CostRequest(max_new_tokens=4, context_tokens=24, repeats=2)
+
+
+def _measure(model, home, request=SMALL, **kwargs) -> EngineCosts:
+    return load_or_measure(model, name="tiny", fingerprint="tinyfp", engine="float32", device="cpu", home=home,
+                           request=request, progress=False, **kwargs)
+
+
+def test_measurement_on_a_tiny_model_is_sane(target_model):
+    forward_s, prefill_s = measure_forward_costs(target_model, SMALL, progress=False)
+    assert len(forward_s) == 4
+    assert all(math.isfinite(v) and v > 0 for v in (*forward_s, prefill_s))
+
+
+def test_costs_are_cached_per_model_engine_device_and_threads(target_model, tmp_path, monkeypatch):
+    first = _measure(target_model, tmp_path)
+    assert first.max_new_tokens == 4 and first.context_tokens == 24 and first.threads == torch.get_num_threads()
+    assert first.per_token_s == first.forward_s[0] and first.engine == "float32"
+    path = engine_costs.costs_path(tmp_path, "tinyfp", "float32", "cpu", torch.get_num_threads())
+    assert EngineCosts.from_json(json.loads(path.read_text())) == first
+
+    calls = []
+    real = engine_costs.measure_forward_costs
+
+    def counting(*args, **kwargs):
+        calls.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_costs, "measure_forward_costs", counting)
+    assert _measure(target_model, tmp_path) == first and not calls  # cached
+    assert _measure(target_model, tmp_path, CostRequest(2, 24, 2)) == first and not calls  # covered
+    longer = _measure(target_model, tmp_path, CostRequest(6, 24, 2))  # more points: measured again
+    assert longer.max_new_tokens == 6 and len(calls) == 1
+    _measure(target_model, tmp_path, CostRequest(6, 24, 2), force=True)
+    assert len(calls) == 2
+    previous = torch.get_num_threads()
+    torch.set_num_threads(previous + 1)
+    try:
+        other = _measure(target_model, tmp_path, CostRequest(6, 24, 2))
+    finally:
+        torch.set_num_threads(previous)
+    assert other.threads == previous + 1 and len(calls) == 3
+
+
+def test_context_is_fitted_to_a_short_model(tmp_path):
+    from tests import tiny
+
+    short = tiny.qwen2(seed=5, max_positions=40)
+    costs = _measure(short, tmp_path, CostRequest(max_new_tokens=3, context_tokens=200, repeats=1))
+    assert costs.context_tokens == 20 and costs.max_new_tokens == 3
+
+
+@pytest.mark.parametrize("request_, message", [
+    (CostRequest(max_new_tokens=0), "new tokens"),
+    (CostRequest(context_tokens=0), "context tokens"),
+    (CostRequest(repeats=0), "repeats"),
+])
+def test_bad_requests_are_refused(request_, message, target_model, tmp_path):
+    with pytest.raises(InvalidRequest, match=message):
+        _measure(target_model, tmp_path, request_)
+
+
+def test_json_round_trip_extrapolation_and_cost_model():
+    costs = EngineCosts(model="m", fingerprint="f", engine="int8", device="cpu", threads=2, context_tokens=200,
+                        forward_s=(0.2, 0.25, 0.3), prefill_s=3.0, repeats=5, torch_version="x", measured_at=1.0)
+    assert EngineCosts.from_json(json.loads(json.dumps(costs.to_json()))) == costs
+    assert costs.forward(2) == 0.25 and costs.forward(5) == pytest.approx(0.4)
+    with pytest.raises(InvalidRequest, match="malformed"):
+        EngineCosts.from_json({**costs.to_json(), "forward_s": []})
+    with pytest.raises(InvalidRequest, match="malformed"):
+        EngineCosts.from_json({"format": engine_costs.FORMAT_VERSION})
+    draft = EngineCosts(**{**costs.__dict__, "forward_s": (0.09,)})
+    model = engine_costs.to_cost_model(costs, draft, rtt=0.001)
+    assert model.t_draft == 0.09 and model.verify(0) == 0.2 and model.verify(2) == 0.3
+
+
+def test_calibrate_cli_json_and_table(capsys, tiny_pair_dirs, tmp_path):
+    argv = ["models", "calibrate", "--target", str(tiny_pair_dirs["target"]), "--draft", str(tiny_pair_dirs["draft"]),
+            "--dtype", "int8", "--home", str(tmp_path), "--max-lookahead", "3", "--context-tokens", "16",
+            "--repeats", "1", "--quiet"]
+    assert main([*argv, "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert len(payload["target"]["forward_s"]) == 4 and len(payload["draft"]["forward_s"]) == 1
+    assert payload["target"]["engine"] == payload["draft"]["engine"] == "int8"
+    assert all(v > 0 for v in payload["target"]["forward_s"])
+    assert main(argv) == 0  # cached now: prints the table
+    table = capsys.readouterr().out
+    assert "k=4" in table and "target" in table and "draft" in table and "int8" in table
+
+
+def test_calibrate_cli_refuses_bad_flags(capsys, tiny_pair_dirs, tmp_path):
+    code = main(["models", "calibrate", "--target", str(tiny_pair_dirs["target"]), "--draft",
+                 str(tiny_pair_dirs["draft"]), "--home", str(tmp_path), "--repeats", "0", "--quiet"])
+    assert code != 0
+    assert "repeats must be >= 1" in capsys.readouterr().err
