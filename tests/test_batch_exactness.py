@@ -121,6 +121,19 @@ def test_a_verified_block_equals_token_by_token_decoding(target_model, dtype):
         _assert_same(block_logits, torch.stack(steps), dtype)
 
 
+def _all_at_once(run, engine, count: int) -> list:
+    """``run(engine, i, barrier)`` for i < count on as many threads, stepping together."""
+    barrier = threading.Barrier(count)
+    results: list = [None] * count
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, run(engine, i, barrier)))
+               for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    return results
+
+
 def _verify_script(seed: int, steps: int = 6) -> tuple[list[int], list[list[int]]]:
     rng = random.Random(seed)
     prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 35))]
@@ -150,14 +163,7 @@ def test_concurrent_target_verifications_equal_each_session_alone(target_model, 
 
     alone = [run(TargetEngine(model), i, None) for i in range(len(scripts))]
     engine = TargetEngine(model)
-    barrier = threading.Barrier(len(scripts))
-    together: list = [None] * len(scripts)
-    threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, run(engine, i, barrier)))
-               for i in range(len(scripts))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
+    together = _all_at_once(run, engine, len(scripts))
     assert together == alone
     assert max(engine.batcher.batch_sizes) > 1, "the verifications were never batched"
     assert engine.active_sessions() == 0
@@ -187,14 +193,7 @@ def test_concurrent_drafting_equals_each_session_alone(drafts, dtype):
 
     alone = [run(DraftEngine(model, PolicyFactory()), i, None) for i in range(len(scripts))]
     engine = DraftEngine(model, PolicyFactory())
-    barrier = threading.Barrier(len(scripts))
-    together: list = [None] * len(scripts)
-    threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, run(engine, i, barrier)))
-               for i in range(len(scripts))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
+    together = _all_at_once(run, engine, len(scripts))
     for got, expected in zip(together, alone):
         assert [t for t, _ in got] == [t for t, _ in expected]
         if dtype == torch.float32:
