@@ -101,3 +101,13 @@ def test_auto_over_grpc_reads_the_costs_the_services_report(target_model, drafts
     finally:
         for server in (orchestrator, draft, target):
             server.stop(0)
+
+
+def test_auto_falls_back_to_confidence_where_the_artifact_does_not_fit():
+    """``auto`` is the default everywhere, so it must run with any pair: another draft's
+    fingerprint (or no artifact loader) gives the training-free confidence rule."""
+    from disco.policies.simple import ConfidencePolicy  # noqa: PLC0415
+
+    for factory in (PolicyFactory(), PolicyFactory(make_learned_loader("not-this-draft", "not-this-tokenizer"))):
+        policy = factory.build(f"auto:{encode_costs(INT8_AVX2)}")
+        assert isinstance(policy, AutoPolicy) and isinstance(policy.disco, ConfidencePolicy)

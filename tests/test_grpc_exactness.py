@@ -16,7 +16,7 @@ NEW_TOKENS = 32
 #: One spec per policy kind (test_exactness covers more arguments in process); the
 #: analysis-only oracle is refused over gRPC (see test_grpc_errors).
 REMOTE_POLICIES = ("none", "static:3", "heuristic:2", "confidence:0.4", "adaptive-confidence", "entropy",
-                   "entropy:lambda=0.2,adapt=0.05")
+                   "entropy:lambda=0.2,adapt=0.05", "auto")
 PROMPT_OF = dict(zip(DRAFT_KINDS, PROMPTS))  # one prompt per draft kind keeps the suite fast
 
 

@@ -7,6 +7,7 @@ draft service) can validate a spec before doing any work.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -22,6 +23,13 @@ from disco.policies.simple import (
     StaticPolicy,
     TargetOnlyPolicy,
 )
+
+
+logger = logging.getLogger(__name__)
+
+#: ``auto``'s stop rule where the DISCO artifact does not fit the draft: confidence at the
+#: threshold tuned on the default pair's training prompts (docs/disco.md, 70 + 6 prompts).
+AUTO_FALLBACK_CONFIDENCE = 0.8
 
 
 @dataclass(frozen=True)
@@ -132,6 +140,17 @@ class PolicyFactory:
     def __init__(self, learned_loader: LearnedPolicyLoader | None = None) -> None:
         self._learned_loader = learned_loader
 
+    def _auto_stop_rule(self) -> Callable[[], StopPolicy]:
+        """``auto``'s stop decision: the shipped DISCO artifact where it fits this draft,
+        else (another model pair, no artifact loader) the training-free confidence rule at
+        the threshold tuned on the default pair's training prompts (docs/disco.md)."""
+        if self._learned_loader is not None:
+            try:
+                return self._learned_loader("default")
+            except InvalidRequest as error:
+                logger.info("auto: %s; using confidence:%g instead", error, AUTO_FALLBACK_CONFIDENCE)
+        return lambda: ConfidencePolicy(AUTO_FALLBACK_CONFIDENCE)
+
     def build(self, spec: str, reference_ids: Sequence[int] | None = None) -> StopPolicy:
         parsed = parse_policy_spec(spec)
         name, argument = parsed.name, parsed.argument
@@ -151,11 +170,11 @@ class PolicyFactory:
             if reference_ids is None:
                 raise InvalidRequest("the oracle policy needs the target's reference output (in-process analysis only)")
             return OraclePolicy(reference_ids)
-        if name in ("disco", "auto"):
+        if name == "auto":
+            return auto_factory(parsed.text, argument, self._auto_stop_rule())()
+        if name == "disco":
             if self._learned_loader is None:
                 raise InvalidRequest(f"policy {parsed.text!r} needs a trained DISCO artifact, "
                                      "but this drafter has no artifact loader")
-            if name == "auto":
-                return auto_factory(parsed.text, argument, self._learned_loader("default"))()
             return self._learned_loader(argument)()
         raise AssertionError(f"unhandled policy {name}")  # parse_policy_spec rejects the rest
