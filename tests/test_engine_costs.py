@@ -110,3 +110,18 @@ def test_calibrate_cli_refuses_bad_flags(capsys, tiny_pair_dirs, tmp_path):
                  str(tiny_pair_dirs["draft"]), "--home", str(tmp_path), "--repeats", "0", "--quiet"])
     assert code != 0
     assert "repeats must be >= 1" in capsys.readouterr().err
+
+
+def test_bench_section_measures_loaded_models_and_reads_the_cache_otherwise(tiny_pair_dirs, tmp_path):
+    from disco.config import ModelConfig, PairConfig
+    from disco.models import load_model
+    from orchestrator.bench.report import engine_costs as bench_costs
+
+    pair = PairConfig(target=ModelConfig(spec=str(tiny_pair_dirs["target"]), dtype="float32"),
+                      draft=ModelConfig(spec=str(tiny_pair_dirs["draft"]), dtype="float32"))
+    assert bench_costs(pair, tmp_path) == {"target": None, "draft": None}  # nothing cached, nothing loaded
+    target = load_model(pair.target, "target", tmp_path, progress=False)
+    measured = bench_costs(pair, tmp_path, {"target": target, "draft": None}, progress=False)
+    assert len(measured["target"]["forward_s"]) == engine_costs.DEFAULT_TARGET_TOKENS and measured["draft"] is None
+    assert measured["target"]["fingerprint"] == target.fingerprint and measured["target"]["engine"] == "float32"
+    assert bench_costs(pair, tmp_path)["target"] == measured["target"]  # as the services' cache is read
