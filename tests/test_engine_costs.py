@@ -125,3 +125,18 @@ def test_bench_section_measures_loaded_models_and_reads_the_cache_otherwise(tiny
     assert len(measured["target"]["forward_s"]) == engine_costs.DEFAULT_TARGET_TOKENS and measured["draft"] is None
     assert measured["target"]["fingerprint"] == target.fingerprint and measured["target"]["engine"] == "float32"
     assert bench_costs(pair, tmp_path)["target"] == measured["target"]  # as the services' cache is read
+
+
+def test_a_measurement_taken_under_load_is_replaced_when_the_machine_is_quiet(target_model, tmp_path,
+                                                                                 monkeypatch):
+    import os
+
+    cores = os.cpu_count() or 1
+    monkeypatch.setattr(engine_costs, "_load_average", lambda: float(cores) * 2)
+    loaded = _measure(target_model, tmp_path)
+    assert loaded.load_average == cores * 2
+    assert _measure(target_model, tmp_path) == loaded  # still loaded: the cache stands
+    monkeypatch.setattr(engine_costs, "_load_average", lambda: 0.1)
+    quiet = _measure(target_model, tmp_path)
+    assert quiet.load_average == 0.1 and quiet.measured_at > loaded.measured_at
+    assert _measure(target_model, tmp_path) == quiet  # a quiet record is kept
