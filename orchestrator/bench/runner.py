@@ -116,7 +116,8 @@ def summarize(run: BenchRun) -> list[dict]:
         diverged = [d for d in divergences if d is not None]
         stats = [outcomes[k].stats for k in prompt_keys if outcomes[k].stats]
         draft_tokens = sum(s["draft_tokens"] for s in stats)
-        decode_s = sum(s["wall_s"] - s["prefill_s"] for s in stats if "prefill_s" in s and "wall_s" in s)
+        decode_rate = _decode_rate(stats)
+        base_decode_rate = _decode_rate([baseline[k].stats for k in prompt_keys if baseline[k].stats])
         rows.append({
             "policy": policy, "transport": transport, "prompts": len(prompt_keys), "repeats": len(repeats),
             "tokens_per_s": statistics.median(rates), "tokens_per_s_min": min(rates),
@@ -129,10 +130,17 @@ def summarize(run: BenchRun) -> list[dict]:
             "target_forwards": statistics.mean(s["target_forwards"] for s in stats) if stats else None,
             "draft_forwards": statistics.mean(s["draft_forwards"] for s in stats) if stats else None,
             "generated_tokens": statistics.mean(len(outcomes[k].token_ids) for k in prompt_keys),
-            # without the prompt's prefill (first repeat), as llama.cpp's decode rate
-            "decode_tokens_per_s": (sum(s["generated_tokens"] for s in stats) / decode_s) if decode_s > 0 else None,
+            # without the prompts' prefill (first repeat), as llama.cpp's decode rate
+            "decode_tokens_per_s": decode_rate,
+            "decode_speedup": decode_rate / base_decode_rate if decode_rate and base_decode_rate else None,
         })
     return rows
+
+
+def _decode_rate(stats: Sequence[dict]) -> float | None:
+    """Generated tokens per second of wall time after the prefill, pooled over requests."""
+    decode_s = sum(s["wall_s"] - s["prefill_s"] for s in stats if "prefill_s" in s and "wall_s" in s)
+    return sum(s["generated_tokens"] for s in stats) / decode_s if decode_s > 0 else None
 
 
 def lookahead_traces(run: BenchRun, prompt_index: int = 0) -> dict[str, list[int]]:
