@@ -258,6 +258,19 @@ def load_or_measure(model: torch.nn.Module, *, name: str, fingerprint: str, engi
     return costs
 
 
+def request_for(role: str) -> CostRequest:
+    """What is measured for a role: the target's forwards over 1..9 new tokens (blocks up
+    to the default max lookahead of 8), the draft's cost per token."""
+    return CostRequest(max_new_tokens=DEFAULT_TARGET_TOKENS if role == "target" else DEFAULT_DRAFT_TOKENS)
+
+
+def measure_loaded(loaded, config, role: str, home: Path, **options) -> EngineCosts:
+    """:func:`load_or_measure` for a :class:`~disco.models.LoadedModel` run as ``config``
+    (a :class:`~disco.config.ModelConfig`) in ``role``; ``options`` as there."""
+    return load_or_measure(loaded.model, name=loaded.name, fingerprint=loaded.fingerprint, engine=config.dtype,
+                           device=config.device, home=home, request=request_for(role), **options)
+
+
 def _worth_remeasuring(cached: EngineCosts) -> bool:
     """Whether ``cached`` was taken on an overloaded machine that is much quieter now.
 

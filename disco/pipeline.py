@@ -97,14 +97,8 @@ def _measured_costs(pair: PairConfig, target: LoadedModel, draft: LoadedModel, h
     """In-process cost model: the target's forwards over 1..9 new tokens, the draft's per token."""
     from disco import engine_costs  # noqa: PLC0415
 
-    measured = {}
-    for role, loaded, config, tokens in (("target", target, pair.target, engine_costs.DEFAULT_TARGET_TOKENS),
-                                         ("draft", draft, pair.draft, engine_costs.DEFAULT_DRAFT_TOKENS)):
-        measured[role] = engine_costs.load_or_measure(
-            loaded.model, name=loaded.name, fingerprint=loaded.fingerprint, engine=config.dtype,
-            device=config.device, home=home, request=engine_costs.CostRequest(max_new_tokens=tokens))
-    return CostModel(t_draft=measured["draft"].forward_s[0], t_verify=tuple(measured["target"].forward_s),
-                     source=f"measured in process ({pair.target.dtype})")
+    return engine_costs.to_cost_model(engine_costs.measure_loaded(target, pair.target, "target", home),
+                                      engine_costs.measure_loaded(draft, pair.draft, "draft", home))
 
 
 __all__ = ["LocalPipeline", "build_local_pipeline", "encode_prompt", "make_decode", "ModelConfig"]

@@ -102,7 +102,6 @@ class AutoPolicy(StopPolicy):
         self.needs_signals = disco.needs_signals
         self.needs_hidden = disco.needs_hidden
         self.accepted, self.rejected = PRIOR_ACCEPTED, PRIOR_REJECTED
-        self.last_cap: int | None = None
 
     @property
     def acceptance(self) -> float:
@@ -115,7 +114,6 @@ class AutoPolicy(StopPolicy):
         if self.cost is not None:
             cap, _ = best_lookahead(self.cost, self.acceptance, max_lookahead)
             budget = min(budget, cap)
-        self.last_cap = budget
         return budget
 
     def after_token(self, position: int, token_id: int, signals: TokenSignals | None) -> Decision:

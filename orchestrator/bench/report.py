@@ -52,12 +52,9 @@ def engine_costs(pair, home: Path, loaded: dict | None = None, progress: bool = 
 
     result = {}
     for role, config in (("target", pair.target), ("draft", pair.draft)):
-        tokens = costs_module.DEFAULT_TARGET_TOKENS if role == "target" else costs_module.DEFAULT_DRAFT_TOKENS
         model = (loaded or {}).get(role)
         if model is not None:
-            costs = costs_module.load_or_measure(
-                model.model, name=model.name, fingerprint=model.fingerprint, engine=config.dtype, device=config.device,
-                home=home, request=costs_module.CostRequest(max_new_tokens=tokens), progress=progress)
+            costs = costs_module.measure_loaded(model, config, role, home, progress=progress)
         else:
             fingerprint = model_fingerprint(config, role, home)
             costs = costs_module.read_cached(home, fingerprint, config.dtype, config.device, torch.get_num_threads(),

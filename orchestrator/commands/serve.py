@@ -144,14 +144,10 @@ def _load_and_measure(config: ModelConfig, role: str):
     from disco.models import disco_home, load_model  # noqa: PLC0415
 
     home = disco_home()
-    tokens = engine_costs.DEFAULT_TARGET_TOKENS if role == "target" else engine_costs.DEFAULT_DRAFT_TOKENS
     with engine_costs.machine_lock(home):
         loaded = load_model(config, role, home)
         try:
-            costs = engine_costs.load_or_measure(
-                loaded.model, name=loaded.name, fingerprint=loaded.fingerprint, engine=config.dtype,
-                device=config.device, home=home, request=engine_costs.CostRequest(max_new_tokens=tokens),
-                progress=False, lock=False)
+            costs = engine_costs.measure_loaded(loaded, config, role, home, progress=False, lock=False)
         except (DiscoError, RuntimeError) as error:  # NOTE: serving matters more than the numbers
             logging.getLogger(__name__).warning("could not measure the engine costs: %s", error)
             costs = None
