@@ -46,10 +46,35 @@ def test_costs_round_trip_through_the_spec():
             parse_policy_spec(bad)
 
 
+def test_the_rate_rule_drafts_while_one_more_token_raises_the_block_rate():
+    """With DISCO's conditional acceptance probabilities, a block grows while the marginal
+    expected tokens per second of one more token beat the block's own rate."""
+    policy = PolicyFactory(make_learned_loader()).build(f"auto:{encode_costs(INT8_AVX2)}")
+    assert isinstance(policy, AutoPolicy) and policy.rate_rule
+
+    def block_length(cost: CostModel, probability: float, max_lookahead: int = 20) -> int:
+        policy.cost = cost
+        policy.begin_block(max_lookahead)
+        drafted = 1
+        while drafted < max_lookahead and policy.marginal_beats_block(drafted, probability):
+            drafted += 1
+        return drafted
+
+    # First decision in closed form: 1 + p tokens for td + tv(1) s so far; one more adds
+    # p * p tokens for td + tv(2) - tv(1) s. INT8_AVX2: p = 0.8 stops, p = 0.9 goes on.
+    assert block_length(INT8_AVX2, 0.8) == 1 and block_length(INT8_AVX2, 0.9) > 1
+    assert block_length(INT8_AVX2, 0.3) == 1
+    assert block_length(INT8_AVX2, 0.9) <= block_length(INT8_AVX2, 0.97) <= block_length(INT8_AVX2, 0.995)
+    assert block_length(FREE_VERIFY, 0.9) > block_length(INT8_AVX2, 0.9)  # free verification: longer blocks
+    assert block_length(FREE_VERIFY, 0.995) == 20
+
+
 def test_the_cap_follows_the_session_acceptance():
-    factory = PolicyFactory(make_learned_loader())
+    """Without DISCO's conditional probabilities (here the confidence fallback), the block
+    is capped by the best lookahead for the session's running acceptance rate."""
+    factory = PolicyFactory()
     policy = factory.build(f"auto:{encode_costs(INT8_AVX2)}")
-    assert isinstance(policy, AutoPolicy) and policy.needs_signals
+    assert isinstance(policy, AutoPolicy) and not policy.rate_rule
     first = policy.begin_block(8)
     for _ in range(20):  # every block accepted in full: the estimate rises, so does the cap
         policy.on_feedback(first, first)

@@ -9,10 +9,21 @@ one-token forwards and no draft pays; int8 weight-only lies in between (short dr
 * per request, the loop asks :func:`speculation_pays` with an optimistic acceptance rate;
   where even that cannot beat target-only by :data:`MIN_SPEEDUP`, the request runs
   target-only (no draft session, no draft calls: as fast as ``none``);
-* per block, the draft side caps the lookahead at the k that maximises the expected
-  speedup for the session's running acceptance rate (:func:`best_lookahead`), and DISCO's
-  classifier (the shipped ``disco:default`` artifact with its tuned rule) stops earlier
-  when the next token looks likely to be rejected.
+* per token, with a DISCO artifact whose classifier predicts each draft token's
+  acceptance given the previous ones (label ``conditional``, the shipped
+  ``disco:default``), the *rate rule* decides: after k drafted tokens with predicted
+  conditional probabilities ``p_0 … p_{k-1}`` the block so far is worth
+  ``E_k = 1 + C_0 + … + C_{k-1}`` tokens (``C_j = p_0 ··· p_j``; the 1 is the bonus or
+  correction token) for ``S_k = k * t_draft + t_verify(k) + 2 * t_rtt`` seconds; one more
+  token adds about ``C_{k-1} * p_{k-1}`` tokens for ``t_draft + t_verify(k+1) -
+  t_verify(k)`` seconds, and drafting goes on only while that marginal rate beats the
+  block's own rate ``E_k / S_k`` (greedy rate maximisation: no threshold to tune, the
+  artifact's tuned threshold is not used). The costs, not a threshold tuned for another
+  machine, set how long blocks get: long where verification is nearly free (GPU), short
+  where it is not (int8 on AVX2);
+* with another stop rule (an artifact of another label, or the confidence fallback), the
+  draft side caps the lookahead at the k that maximises the expected speedup for the
+  session's running acceptance rate (:func:`best_lookahead`) and the rule stops earlier.
 
 Expected speedup of lookahead k for a per-token acceptance rate ``a`` (tokens are
 accepted independently with probability ``a``; the bonus token always counts)::
@@ -93,8 +104,9 @@ def decode_costs(spec: str, argument: str) -> CostModel | None:
 
 
 class AutoPolicy(StopPolicy):
-    """A DISCO policy whose block length is capped by :func:`best_lookahead` for the
-    session's running acceptance rate (plain DISCO when no costs are known)."""
+    """DISCO's per-token probabilities under the rate rule (module docstring), or another
+    stop rule under a :func:`best_lookahead` cap for the session's running acceptance rate;
+    plain DISCO when no costs are known."""
 
     def __init__(self, disco: StopPolicy, cost: CostModel | None) -> None:
         self.disco = disco
@@ -102,6 +114,10 @@ class AutoPolicy(StopPolicy):
         self.needs_signals = disco.needs_signals
         self.needs_hidden = disco.needs_hidden
         self.accepted, self.rejected = PRIOR_ACCEPTED, PRIOR_REJECTED
+        artifact = getattr(disco, "artifact", None)
+        self.rate_rule = cost is not None and getattr(artifact, "label", None) == "conditional"
+        self._block_accepted = 1.0  # C_{k-1}: predicted P(every token drafted so far is accepted)
+        self._block_tokens = 1.0  # E_k: expected tokens of the block so far
 
     @property
     def acceptance(self) -> float:
@@ -111,13 +127,29 @@ class AutoPolicy(StopPolicy):
 
     def begin_block(self, max_lookahead: int) -> int:
         budget = self.disco.begin_block(max_lookahead)
-        if self.cost is not None:
+        self._block_accepted, self._block_tokens = 1.0, 1.0
+        if self.cost is not None and not self.rate_rule:
             cap, _ = best_lookahead(self.cost, self.acceptance, max_lookahead)
             budget = min(budget, cap)
         return budget
 
     def after_token(self, position: int, token_id: int, signals: TokenSignals | None) -> Decision:
-        return self.disco.after_token(position, token_id, signals)
+        decision = self.disco.after_token(position, token_id, signals)
+        if not self.rate_rule:
+            return decision
+        probability = float(self.disco.last_probability)  # type: ignore[attr-defined]
+        return Decision.CONTINUE if self.marginal_beats_block(position + 1, probability) else Decision.STOP
+
+    def marginal_beats_block(self, drafted: int, probability: float) -> bool:
+        """Record draft token ``drafted - 1``'s predicted conditional acceptance and say
+        whether one more token raises the block's expected tokens per second."""
+        cost = self.cost
+        assert cost is not None
+        self._block_accepted *= probability
+        self._block_tokens += self._block_accepted
+        block_seconds = drafted * cost.t_draft + cost.verify(drafted) + 2 * cost.t_rtt
+        marginal_seconds = max(cost.t_draft + cost.verify(drafted + 1) - cost.verify(drafted), 1e-9)
+        return self._block_accepted * probability / marginal_seconds > self._block_tokens / block_seconds
 
     def on_feedback(self, num_drafted: int, num_accepted: int) -> None:
         self.disco.on_feedback(num_drafted, num_accepted)

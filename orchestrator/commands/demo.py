@@ -12,6 +12,8 @@ from disco.stats import RequestStats
 from orchestrator.commands.common import add_model_args, pair_config_from_args
 
 DEMO_PROMPT = "def fib(n):"
+#: Tokens of the untimed warm-up request per policy.
+WARMUP_TOKENS = 8
 
 
 def register(subparsers) -> None:
@@ -42,6 +44,12 @@ def run(args: argparse.Namespace) -> int:
               f"target {services.addresses['target']})", file=sys.stderr)
         with DiscoClient(address, timeout=3600) as client:
             request = dict(max_new_tokens=args.max_new_tokens)
+            # The first forwards of a fresh process are slow (kernel set-up, caches): one
+            # short request per policy first, so the timed runs compare steady states.
+            print("warming up the services (one short request per policy)...", file=sys.stderr)
+            for policy in (args.policy, args.baseline):
+                if policy != "skip":
+                    client.generate(args.prompt, policy=policy, max_new_tokens=WARMUP_TOKENS)
             print(f"\n--- {args.policy}: {args.prompt!r}", file=sys.stderr)
             sys.stdout.write(args.prompt)
             stream = client.stream(args.prompt, policy=args.policy, **request)
