@@ -32,3 +32,10 @@ class VocabularyMismatch(ModelError):
 
 class Unavailable(DiscoError):
     """A backend needed to serve the request is not reachable."""
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message (its type name when the message is empty),
+    for wrapping a third-party error into one of ours."""
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0]

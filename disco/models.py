@@ -5,8 +5,9 @@ device, in the requested dtype), its tokenizer, and the identities the services 
 (weights ``fingerprint``, ``tokenizer_hash``).
 
 A ``.gguf`` file is dequantized and converted **once** into a dense bfloat16 HF folder
-under ``<home>/converted/<stem>-<sha12>/``; later loads read that folder (seconds instead
-of about a minute) and cast it to the requested dtype.
+under ``<home>/converted/<stem>-<sha12>/`` (:mod:`disco.gguf_convert`); later loads read
+that folder (seconds instead of about a minute) and cast it to the requested dtype. The
+default pair comes from :mod:`disco.model_store`.
 
 ``dtype="int8"`` is the int8 weight-only engine (:mod:`disco.quantize`): the dense model is
 quantized once and cached under ``<home>/quantized/<name>-<fingerprint>-<format>/``; later
@@ -23,23 +24,20 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GgufConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from disco import quantize
 from disco.config import ModelConfig, PairConfig
-from disco.errors import ModelError, VocabularyMismatch
+from disco.errors import ModelError, VocabularyMismatch, first_line
+from disco.gguf_convert import SOURCE_FILE, convert_gguf
+from disco.model_store import ROLES, default_model, ensure_default_model
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("target", "draft")
-CONVERTED_DIR = "converted"
 QUANTIZED_DIR = "quantized"
-# Written last into a converted folder: marks the conversion complete and names its source.
-SOURCE_FILE = "disco_source.json"
 
 # Torch dtype each engine loads the dense weights in (int8: its compute dtype, then quantized).
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -48,7 +46,6 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 _FINGERPRINT_CHARS = 16
 _SAMPLES_PER_FILE = 16
 _SAMPLE_BYTES = 64 * 1024
-_HASH_CHUNK = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True, eq=False)
@@ -121,7 +118,7 @@ def load_model(config: ModelConfig, role: str, home: Path, progress: bool = True
     try:
         model.to(config.device)
     except (RuntimeError, AssertionError) as error:
-        raise ModelError(f"could not move {role} model {name} to {config.device}: {_first_line(error)}") from error
+        raise ModelError(f"could not move {role} model {name} to {config.device}: {first_line(error)}") from error
     model.eval()
     loaded = LoadedModel(
         model=model,
@@ -188,95 +185,6 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
         )
 
 
-def convert_gguf(
-    gguf_path: Path, home: Path, sha256: str | None = None, eos_token_ids: Sequence[int] | None = None
-) -> Path:
-    """Dequantize a ``.gguf`` file once into a dense bfloat16 HF folder and return it.
-
-    The folder is ``<home>/converted/<stem>-<sha12>/``; it is written under a temporary
-    name and renamed when complete, so an interrupted conversion is never used.
-
-    Args:
-        gguf_path: the ``.gguf`` file.
-        home: the disco cache folder.
-        sha256: the file's sha256 if already known (saves hashing it again).
-        eos_token_ids: if given, written into the generation config (a GGUF keeps only
-            one EOS id where the upstream model may list several).
-
-    Raises:
-        ModelError: transformers cannot read or convert the file.
-    """
-    sha256 = sha256 or _cached_gguf_sha256(gguf_path, home)
-    folder = converted_folder(home, gguf_path.stem, sha256)
-    if (folder / SOURCE_FILE).is_file():
-        logger.info("loading cached conversion %s", folder)
-        return folder
-    start = time.perf_counter()
-    logger.info("converting %s to a dense bfloat16 model in %s (once; this takes a few minutes) ...",
-                gguf_path, folder)
-    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf_path.parent,
-            gguf_file=gguf_path.name,
-            dtype=torch.bfloat16,
-            quantization_config=GgufConfig(dequantize=True),
-        )
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        if eos_token_ids:
-            model.generation_config.eos_token_id = list(eos_token_ids)
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        del model
-    except Exception as error:  # noqa: BLE001 -- NOTE: the gguf reader raises anything on a bad file
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ModelError(f"could not convert {gguf_path}: {_first_line(error)}") from error
-    source = {"gguf_file": gguf_path.name, "gguf_sha256": sha256, "gguf_size": gguf_path.stat().st_size}
-    (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
-    for path in tmp.iterdir():  # NOTE: the weights are written 0600; services may run as another user
-        path.chmod(0o644)
-    if (folder / SOURCE_FILE).is_file():  # another process finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        shutil.rmtree(folder, ignore_errors=True)
-        tmp.rename(folder)
-    logger.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
-    return folder
-
-
-def converted_folder(home: Path, stem: str, sha256: str) -> Path:
-    """Where :func:`convert_gguf` puts the conversion of a gguf file."""
-    return home / CONVERTED_DIR / f"{stem}-{sha256[:12]}"
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 hex of a file, read in chunks."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _cached_gguf_sha256(gguf_path: Path, home: Path) -> str:
-    """sha256 of a user's gguf file, remembered per (path, size, mtime) under ``home``."""
-    stat = gguf_path.stat()
-    key = {"path": str(gguf_path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-    marker = home / CONVERTED_DIR / "gguf-hashes" / (hashlib.sha256(key["path"].encode()).hexdigest()[:16] + ".json")
-    try:
-        cached = json.loads(marker.read_text())
-        if {k: cached.get(k) for k in key} == key:
-            return cached["sha256"]
-    except (OSError, ValueError, KeyError):
-        pass
-    logger.info("hashing %s ...", gguf_path)
-    sha256 = file_sha256(gguf_path)
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text(json.dumps({**key, "sha256": sha256}) + "\n")
-    return sha256
-
-
 def folder_fingerprint(folder: Path) -> str:
     """Short sha256 hex identifying the weights in an HF folder.
 
@@ -315,11 +223,8 @@ def tokenizer_hash(tokenizer: PreTrainedTokenizerBase) -> str:
 def _resolve(spec: str | None, role: str, home: Path, progress: bool) -> tuple[str, str, bool]:
     """Turn a spec into ``(location, display name, is_hub_id)``; prepares files if needed."""
     if spec is None:
-        # NOTE: imported here because model_store uses convert_gguf from this module.
-        from disco import model_store
-
-        folder = model_store.ensure_default_model(role, home, progress)
-        return str(folder), model_store.default_model(role).display_name, False
+        folder = ensure_default_model(role, home, progress)
+        return str(folder), default_model(role).display_name, False
     path = Path(spec).expanduser()
     if path.is_dir():
         return str(path), path.resolve().name, False
@@ -344,9 +249,9 @@ def _load_hf(location: str, dtype: torch.dtype, is_hub: bool) -> tuple[PreTraine
         if is_hub:
             raise ModelError(
                 f"model {location!r} not found: not a local folder, not a .gguf file, "
-                f"and the hub could not provide it ({_first_line(error)})"
+                f"and the hub could not provide it ({first_line(error)})"
             ) from error
-        raise ModelError(f"could not load model from {location}: {_first_line(error)}") from error
+        raise ModelError(f"could not load model from {location}: {first_line(error)}") from error
     return model, tokenizer
 
 
@@ -384,7 +289,7 @@ def _load_int8(location: str, name: str, is_hub: bool,
             try:
                 return _load_int8_cached(location, folder), _load_tokenizer(location), fingerprint
             except Exception as error:  # noqa: BLE001 -- NOTE: a damaged file raises anything; quantize again
-                logger.warning("discarding the quantized cache %s: %s", folder, _first_line(error))
+                logger.warning("discarding the quantized cache %s: %s", folder, first_line(error))
                 shutil.rmtree(folder, ignore_errors=True)
     start = time.perf_counter()
     model, tokenizer = _load_hf(location, _DTYPES["int8"], is_hub)
@@ -422,7 +327,7 @@ def _load_tokenizer(location: str) -> PreTrainedTokenizerBase:
     try:
         return AutoTokenizer.from_pretrained(location)
     except Exception as error:  # noqa: BLE001 -- NOTE: loaders raise anything (hub, json)
-        raise ModelError(f"could not load the tokenizer of {location}: {_first_line(error)}") from error
+        raise ModelError(f"could not load the tokenizer of {location}: {first_line(error)}") from error
 
 
 def _sample_bytes(path: Path, size: int) -> bytes:
@@ -456,7 +361,3 @@ def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -
         candidates.append(int(tokenizer.eos_token_id))
     return tuple(dict.fromkeys(candidates))
 
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip() or type(error).__name__
-    return text.splitlines()[0]

@@ -11,6 +11,8 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from disco.errors import ModelError
+from disco.gguf_convert import convert_gguf
+from disco.model_store import ensure_default_model
 from disco.models import tokenizer_hash
 from orchestrator.backends import Backends
 from orchestrator.metrics import OrchestratorMetrics
@@ -32,9 +34,6 @@ def load_tokenizer(spec: str | None, home: Path) -> PreTrainedTokenizerBase:
     Raises:
         ModelError: the tokenizer cannot be found or read.
     """
-    from disco.model_store import ensure_default_model  # noqa: PLC0415 - imports disco.models' converters
-    from disco.models import convert_gguf  # noqa: PLC0415
-
     if spec is None:
         location = str(ensure_default_model("target", home))
     elif Path(spec).expanduser().is_file() and spec.endswith(".gguf"):

@@ -17,7 +17,7 @@ import yaml
 
 jsonschema = pytest.importorskip("jsonschema")
 
-from orchestrator.cli import build_parser  # noqa: E402
+from deploy.cli import build_parser  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 MANIFESTS = REPO / "deploy" / "kuberay"

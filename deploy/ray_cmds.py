@@ -1,6 +1,9 @@
 """``disco up``, ``disco down``, ``disco status`` (the services as Ray actors) and
 ``disco ray-orchestrator`` (the orchestrator as a plain process that finds the services
 through Ray, e.g. a Kubernetes Deployment next to a KubeRay cluster). See docs/deploy.md.
+
+A subcommand module like those of :mod:`orchestrator.commands`, kept here because it
+drives this package; :mod:`deploy.cli` registers it (docs/architecture.md).
 """
 
 from __future__ import annotations
