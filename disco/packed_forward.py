@@ -42,6 +42,8 @@ from transformers import DynamicCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, create_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from disco.quantize import DENSE_MIN_ROWS, dense_prefill
+
 _NAME = "disco_packed_sdpa"
 _BASE = "sdpa"
 
@@ -97,10 +99,14 @@ def packed_forward(model: torch.nn.Module, sessions: Sequence[SessionRows]
     # A ready-made 4D mask is passed through untouched by transformers' mask builders, so
     # no mask is built for the packed row; the attention applies each session's own mask.
     unused_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=input_ids.device)
+    # Long prefill blocks take the int8 engine's dense GEMM (no effect on other engines).
+    dense = [(span.start, span.end) for span in packed_cache.spans
+             if not span.one_query_at_a_time and span.end - span.start >= DENSE_MIN_ROWS]
     # 1. One forward of the decoder over the packed row; attention per session.
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=unused_mask, position_ids=position_ids,
-                                 cache=packed_cache, use_cache=True,
-                                 packed_cache=packed_cache).last_hidden_state[0]  # [rows, hidden]
+    with dense_prefill(dense):
+        hidden = model.get_decoder()(input_ids=input_ids, attention_mask=unused_mask, position_ids=position_ids,
+                                     cache=packed_cache, use_cache=True,
+                                     packed_cache=packed_cache).last_hidden_state[0]  # [rows, hidden]
     # 2. One LM-head matmul for every row asked for: the head is the largest weight matrix,
     # reading it once per session would cost as much as a forward of a small model.
     wanted = [hidden[span.end - rows.num_logits: span.end]  # [num_logits, hidden]

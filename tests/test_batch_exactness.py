@@ -22,16 +22,19 @@ from disco.draft_engine import DraftEngine
 from disco.interfaces import DraftToken, Feedback
 from disco.kv import CachedSequence
 from disco.policies import PolicyFactory
+from disco.quantize import DENSE_MIN_ROWS, quantize_model
 from disco.target_engine import TargetEngine
 
 VOCAB = 512
 
 
-def _cast(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+def _cast(model: torch.nn.Module, dtype: torch.dtype | str) -> torch.nn.Module:
+    if dtype == "int8":  # the int8 weight-only engine (bf16 activations, dense long prefills)
+        return quantize_model(copy.deepcopy(model))
     return model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)
 
 
-def _assert_same(batched: torch.Tensor, alone: torch.Tensor, dtype: torch.dtype) -> None:
+def _assert_same(batched: torch.Tensor, alone: torch.Tensor, dtype: torch.dtype | str) -> None:
     if dtype == torch.float32:
         torch.testing.assert_close(batched, alone, rtol=1e-4, atol=1e-4)
     else:
@@ -59,19 +62,20 @@ class _Shadow:
         self.prefilled = False
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "int8"])
 @pytest.mark.parametrize("seed", range(4))
 def test_random_session_mixes_equal_solo_forwards(target_model, dtype, seed):
     model = _cast(target_model, dtype)
     rng = random.Random(seed)
-    base_prompt = [rng.randrange(1, VOCAB) for _ in range(30)]
+    base_prompt = [rng.randrange(1, VOCAB) for _ in range(30 if dtype != "int8" else 2 * DENSE_MIN_ROWS)]
     live: list[_Shadow] = []
     for step in range(10):
         # Sessions leave and join between steps; one new prompt is a prefix of another.
         live = [s for s in live if rng.random() > 0.2]
         while len(live) < 2 or (len(live) < 8 and rng.random() < 0.5):
-            prompt = (base_prompt[: rng.randint(1, 30)] if rng.random() < 0.4
-                      else [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 40))])
+            longest = len(base_prompt)  # int8: prefills past DENSE_MIN_ROWS take the dense GEMM
+            prompt = (base_prompt[: rng.randint(1, longest)] if rng.random() < 0.4
+                      else [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, longest + 10))])
             live.append(_Shadow(model, prompt))
         batch, num_logits = [], []
         for shadow in live:

@@ -25,6 +25,7 @@ from tests import tiny
 from tests.helpers import PROMPTS, local_generator
 
 POLICIES = ("static:1", "static:3", "static:7", "heuristic:2", "confidence:0.4")
+LONG_PROMPT = "def add(a, b):\n    return a + b\n\n" * 6 + "class Stack:\n    def push(self, item):\n"
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +75,28 @@ def test_int8_linear_matches_its_dequantized_weight():
         module(torch.randn(3, 63, dtype=torch.bfloat16))
 
 
+def test_dense_prefill_spans_run_a_float32_gemm_and_leave_other_rows_alone(monkeypatch):
+    torch.manual_seed(4)
+    linear = torch.nn.Linear(96, 80, bias=True)
+    module = Int8Linear.from_weight(linear.weight, linear.bias)
+    x = torch.randn(30, 96, dtype=torch.bfloat16)  # [rows, in_features]
+    kernel = module(x)
+    dense_rows = []
+    original = Int8Linear._dense
+    monkeypatch.setattr(Int8Linear, "_dense", lambda self, rows: dense_rows.append(len(rows)) or original(self, rows))
+    with quantize.dense_prefill([(3, 12), (20, 27)]):
+        mixed = module(x)
+    assert dense_rows == [9, 7]
+    for start, end in ((0, 3), (12, 20), (27, 30)):  # outside the spans: the int8 kernel, same bits
+        assert torch.equal(mixed[start:end], kernel[start:end])
+    for start, end in ((3, 12), (20, 27)):  # inside: the same weights as one float32 GEMM
+        gemm = torch.nn.functional.linear(x[start:end].float(), module.weight.float()) * module.scales.float()
+        assert torch.equal(mixed[start:end], gemm.to(torch.bfloat16) + module.bias)
+        expected = x[start:end].float() @ module.dequantized().T + module.bias.float()
+        assert torch.allclose(mixed[start:end].float(), expected, atol=0.05, rtol=0.02)
+    assert torch.equal(module(x), kernel) and dense_rows == [9, 7]  # the spans end with the block
+
+
 def test_quantize_weight_is_symmetric_per_row_and_handles_zero_rows():
     torch.manual_seed(2)
     weight = torch.randn(6, 40)
@@ -117,8 +140,10 @@ def test_speculation_is_greedy_exact_on_the_int8_engine(int8_target, int8_drafts
     """Speculative decoding reproduces target-only decoding of the same int8 engine token
     for token (bf16 activations: the int8 kernel is row-invariant)."""
     sampling = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    for prompt in PROMPTS[:2]:
+    for prompt in (*PROMPTS[:2], LONG_PROMPT):
         prompt_ids = tokenizer(prompt)["input_ids"]
+        if prompt is LONG_PROMPT:  # its prefill takes the dense GEMM
+            assert len(prompt_ids) > quantize.DENSE_MIN_ROWS
         reference = local_generator(int8_target, None, tokenizer).generate(
             prompt_ids, sampling, SpeculationConfig(policy="none")).token_ids
         assert len(set(reference)) > 10  # a varied reference, or exactness proves nothing
