@@ -96,7 +96,7 @@ class ModelService:
         from disco.sessions import SessionLimits  # noqa: PLC0415
 
         self.role = role
-        model = {**model, "dtype": resolve_dtype_here(model.get("dtype", "auto"), model.get("device", "cpu"))}
+        model = {**model, "dtype": resolve_dtype_here(model.get("dtype", "auto"), model.get("device", "cpu"), role)}
         loaded = load_model(ModelConfig(**model), role, disco_home(), progress=False)
         module = draft_service.server if role == "draft" else target_service.server
         host = host or ray.util.get_node_ip_address()

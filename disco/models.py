@@ -41,7 +41,7 @@ QUANTIZED_DIR = "quantized"
 
 # Torch dtype each engine loads the dense weights in (int8: its compute dtype, then quantized).
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           "int8": quantize.COMPUTE_DTYPE}
+           "int8": quantize.COMPUTE_DTYPE, "int4": quantize.COMPUTE_DTYPE}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 _FINGERPRINT_CHARS = 16
 _SAMPLES_PER_FILE = 16
@@ -63,7 +63,7 @@ class LoadedModel:
         vocab_size: number of logits the model produces (output embedding rows).
         eos_token_ids: every token id that ends generation, deduplicated.
         engine: the concrete engine the model runs as: ``"float32"``, ``"bfloat16"``,
-            ``"float16"`` or ``"int8"`` (int8 weight-only, bfloat16 activations); empty
+            ``"float16"``, ``"int8"`` or ``"int4"`` (weight-only, bfloat16 activations); empty
             when built outside :func:`load_model` (then the weights' dtype tells).
     """
 
@@ -110,8 +110,8 @@ def load_model(config: ModelConfig, role: str, home: Path, progress: bool = True
     start = time.perf_counter()
     location, name, is_hub = _resolve(config.spec, role, home, progress)
     logger.info("loading %s model %s from %s (%s, %s) ...", role, name, location, config.dtype, config.device)
-    if config.dtype == "int8":
-        model, tokenizer, fingerprint = _load_int8(location, name, is_hub, home)
+    if config.dtype in quantize.QUANT_FORMATS:
+        model, tokenizer, fingerprint = _load_quantized(location, name, is_hub, home, config.dtype)
     else:
         model, tokenizer = _load_hf(location, _DTYPES[config.dtype], is_hub)
         fingerprint = _hub_fingerprint(location, model) if is_hub else folder_fingerprint(Path(location))
@@ -272,48 +272,50 @@ def _hub_fingerprint(spec: str, model: PreTrainedModel | None) -> str | None:
     return hashlib.sha256(text.encode()).hexdigest()[:_FINGERPRINT_CHARS]
 
 
-def quantized_folder(home: Path, name: str, fingerprint: str, lm_head: bool = quantize.QUANTIZE_LM_HEAD) -> Path:
-    """Where the int8 engine of the weights ``fingerprint`` is cached."""
+def quantized_folder(home: Path, name: str, fingerprint: str, lm_head: bool = quantize.QUANTIZE_LM_HEAD,
+                     engine: str = "int8") -> Path:
+    """Where the ``engine`` (int8 or int4) build of the weights ``fingerprint`` is cached."""
     slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:64]
-    return home / QUANTIZED_DIR / f"{slug}-{fingerprint}-{quantize.QUANT_FORMAT}{'' if lm_head else '-densehead'}"
+    suffix = "" if lm_head else "-densehead"
+    return home / QUANTIZED_DIR / f"{slug}-{fingerprint}-{quantize.QUANT_FORMATS[engine]}{suffix}"
 
 
-def _load_int8(location: str, name: str, is_hub: bool,
-               home: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
-    """The int8 engine of a model: from the cache when there is one, else quantized from
-    the dense weights (and cached). Returns ``(model, tokenizer, fingerprint)``."""
+def _load_quantized(location: str, name: str, is_hub: bool, home: Path,
+                    engine: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
+    """The int8/int4 engine of a model: from the cache when there is one, else quantized
+    from the dense weights (and cached). Returns ``(model, tokenizer, fingerprint)``."""
     fingerprint = _hub_fingerprint(location, None) if is_hub else folder_fingerprint(Path(location))
     if fingerprint is not None:
-        folder = quantized_folder(home, name, fingerprint)
+        folder = quantized_folder(home, name, fingerprint, engine=engine)
         if quantize.read_manifest(folder) is not None:
             try:
-                return _load_int8_cached(location, folder), _load_tokenizer(location), fingerprint
+                return _load_quantized_cached(location, folder, engine), _load_tokenizer(location), fingerprint
             except Exception as error:  # noqa: BLE001 -- NOTE: a damaged file raises anything; quantize again
                 logger.warning("discarding the quantized cache %s: %s", folder, first_line(error))
                 shutil.rmtree(folder, ignore_errors=True)
     start = time.perf_counter()
-    model, tokenizer = _load_hf(location, _DTYPES["int8"], is_hub)
+    model, tokenizer = _load_hf(location, _DTYPES[engine], is_hub)
     fingerprint = fingerprint or _hub_fingerprint(location, model)
-    logger.info("quantizing %s to int8 weight-only (once; cached in %s) ...", name, home / QUANTIZED_DIR)
-    quantize.quantize_model(model)
-    folder = quantized_folder(home, name, fingerprint)
+    logger.info("quantizing %s to %s weight-only (once; cached in %s) ...", name, engine, home / QUANTIZED_DIR)
+    quantize.quantize_model(model, engine=engine)
+    folder = quantized_folder(home, name, fingerprint, engine=engine)
     manifest = {"source": location, "fingerprint": fingerprint, "lm_head": quantize.QUANTIZE_LM_HEAD,
                 "torch": torch.__version__}
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
-        quantize.save_quantized(model, folder, manifest)
+        quantize.save_quantized(model, folder, manifest, engine)
     except OSError as error:  # NOTE: a read-only cache only costs the next load a re-quantization
         logger.warning("could not cache the quantized model in %s: %s", folder, error)
     logger.info("quantized %s in %.1f s", name, time.perf_counter() - start)
     return model, tokenizer, fingerprint
 
 
-def _load_int8_cached(location: str, folder: Path) -> PreTrainedModel:
+def _load_quantized_cached(location: str, folder: Path, engine: str) -> PreTrainedModel:
     """Build the model skeleton on the meta device and fill it from the quantized cache."""
     config = AutoConfig.from_pretrained(location)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, dtype=quantize.COMPUTE_DTYPE)
-    quantize.int8_skeleton(skeleton)
+    quantize.quantized_skeleton(skeleton, engine=engine)
     model = quantize.load_quantized(skeleton, folder)
     try:
         model.generation_config = GenerationConfig.from_pretrained(location)

@@ -42,7 +42,7 @@ from transformers import DynamicCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, create_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from disco.quantize import DENSE_MIN_ROWS, dense_prefill
+from disco.dense_prefill import DENSE_MIN_ROWS, dense_prefill
 
 _NAME = "disco_packed_sdpa"
 _BASE = "sdpa"

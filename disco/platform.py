@@ -22,24 +22,26 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def resolve_dtype(requested: str, device: str, flags: AbstractSet[str]) -> str:
+def resolve_dtype(requested: str, device: str, flags: AbstractSet[str], role: str = "target") -> str:
     """The concrete engine for ``--dtype requested`` on ``device`` (pure: pass the CPU flags).
 
     ``auto``: bfloat16 on CUDA and on CPUs that compute in bfloat16 natively (AMX or
-    AVX-512-BF16); int8 weight-only elsewhere (e.g. AVX2-only CPUs, where a bf16 forward
-    over k tokens costs about k single-token forwards and int8 is 1.5-3x faster; see
-    docs/engines.md). Any other value is returned unchanged.
+    AVX-512-BF16); elsewhere (e.g. AVX2-only CPUs, where a bf16 forward over k tokens
+    costs about k single-token forwards) weight-only engines: int8 for the target (1.5-3x
+    faster than bf16) and int4 for the draft (its one-token forwards are bound by reading
+    weights; the draft's quality only moves the acceptance rate, never the output); see
+    docs/engines.md. Any other value is returned unchanged.
     """
     if requested != "auto":
         return requested
-    if device.startswith("cuda"):
+    if device.startswith("cuda") or any(flag in flags for flag in BF16_CPU_FLAGS):
         return "bfloat16"
-    return "bfloat16" if any(flag in flags for flag in BF16_CPU_FLAGS) else "int8"
+    return "int4" if role == "draft" else "int8"
 
 
-def resolve_dtype_here(requested: str, device: str) -> str:
+def resolve_dtype_here(requested: str, device: str, role: str = "target") -> str:
     """:func:`resolve_dtype` with this machine's CPU flags (call at an entry point)."""
-    return resolve_dtype(requested, device, cpu_flags() if requested == "auto" else frozenset())
+    return resolve_dtype(requested, device, cpu_flags() if requested == "auto" else frozenset(), role)
 
 
 def tune_cpu_math_env() -> None:

@@ -13,18 +13,7 @@ gets the same bits whether it is multiplied alone or with others. A verification
 forward over k + 1 tokens and k + 1 single-token forwards then agree in every linear,
 and packed cross-session batching stays bit-exact (tests/test_int8.py checks it).
 
-Prefill blocks: ``_weight_int8pack_mm`` costs ~0.7 ms per row of a 1536x8960 linear past
-4 rows, so a prompt of a few hundred tokens took seconds (a 200-token prefill of the 1.5B
-target: 9.9 s). A long prefill block instead runs as one float32 GEMM over the same int8
-weights (``(x @ q^T) * scale``, the int8 weights converted to float32 512 output channels
-at a time, so the converted slice stays in cache and nothing extra is kept in memory):
-measured on a 1536x8960 linear (AVX2, 2 threads) 15 / 25 / 47 ms for 64 / 128 / 256 rows
-against 21 / 45 / 105 ms in the int8 kernel (a float32 copy of the whole weight: 22 / 30 /
-55 ms, and 4 bytes per weight more memory). Which packed rows do so is set per
-forward by :func:`dense_prefill` (:func:`disco.packed_forward.packed_forward` passes the
-spans of prefill blocks of at least :data:`DENSE_MIN_ROWS` tokens); each span is
-multiplied on its own, so its bits depend on its own rows only (a prefill gives the same
-cache alone and batched). Decoding and verification rows always take the int8 kernel.
+Long prefill blocks run as float32 GEMMs over the same weights (:mod:`disco.dense_prefill`).
 
 A quantized model is cached as one safetensors file holding every tensor of the model
 (int8 weights, scales, the bf16 rest, non-persistent buffers included), so a second
@@ -38,17 +27,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from contextlib import contextmanager
-from contextvars import ContextVar
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-#: Version of the quantized format (the cache is keyed by it).
-QUANT_FORMAT = "int8wo-v1"
+from disco.dense_prefill import chunked_gemm, split_rows
+from disco.int4 import GROUP_SIZE, Int4Linear, int4_fits
+
+#: Version of the quantized format per engine (the cache is keyed by it).
+QUANT_FORMATS = {"int8": "int8wo-v1", "int4": f"int4wo-g{GROUP_SIZE}-v1"}
+QUANT_FORMAT = QUANT_FORMATS["int8"]
 #: Compute dtype of the int8 engine's activations and non-linear parts.
 COMPUTE_DTYPE = torch.bfloat16
 #: Whether the LM head is quantized too (decided by measurement, docs/engines.md).
@@ -57,13 +47,6 @@ QUANTIZE_LM_HEAD = True
 MANIFEST_FILE = "disco_quantized.json"
 WEIGHTS_FILE = "model.safetensors"
 
-#: A prefill block of at least this many tokens runs as a float32 GEMM (docstring above).
-DENSE_MIN_ROWS = 48
-#: Row spans ``(start, end)`` of the current forward that run dense; set by :func:`dense_prefill`
-#: (per thread and context, like torch's grad mode).
-_DENSE_SPANS: ContextVar[tuple[tuple[int, int], ...]] = ContextVar("disco_int8_dense_spans", default=())
-
-_DENSE_CHUNK = 512  # output channels converted to float32 at once by the dense prefill GEMM
 _QMAX = 127
 _CHUNK_ROWS = 8192  # rows quantized at once (bounds the float32 copy of a 150k-row LM head)
 _OP = "aten::_weight_int8pack_mm"
@@ -103,19 +86,7 @@ class Int8Linear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected {self.in_features} input features, got {x.shape[-1]}")
         rows = x.reshape(-1, self.in_features).to(self.scales.dtype).contiguous()  # [rows, in_features]
-        spans = _DENSE_SPANS.get()
-        if not spans:
-            out = self._int8(rows)
-        else:
-            pieces, done = [], 0
-            for start, end in spans:
-                if start > done:
-                    pieces.append(self._int8(rows[done:start]))
-                pieces.append(self._dense(rows[start:end]))
-                done = end
-            if done < rows.shape[0]:
-                pieces.append(self._int8(rows[done:]))
-            out = torch.cat(pieces)  # [rows, out_features]
+        out = split_rows(rows, self._int8, self._dense)  # [rows, out_features]
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
@@ -130,11 +101,7 @@ class Int8Linear(nn.Module):
     def _dense(self, rows: torch.Tensor) -> torch.Tensor:  # rows: [n, in_features] -> [n, out_features]
         """A prefill block: float32 GEMMs over the int8 weights converted a slice of output
         channels at a time (the slice stays in cache), scaled per output channel."""
-        inputs = rows.float()  # [n, in_features]
-        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32, device=rows.device)
-        for start in range(0, self.out_features, _DENSE_CHUNK):
-            weight = self.weight[start: start + _DENSE_CHUNK].float()  # [chunk, in_features]
-            out[:, start: start + _DENSE_CHUNK] = inputs @ weight.T
+        out = chunked_gemm(rows, self.out_features, lambda start, end: self.weight[start:end].float())
         return (out * self.scales.float()).to(rows.dtype)
 
     def dequantized(self) -> torch.Tensor:
@@ -144,17 +111,6 @@ class Int8Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, scales={self.scales.dtype}")
-
-
-@contextmanager
-def dense_prefill(spans: Sequence[tuple[int, int]]) -> Iterator[None]:
-    """Within this block, :class:`Int8Linear` s multiply the packed rows ``start:end`` of
-    each span as a float32 GEMM (sorted, non-overlapping spans; empty: none)."""
-    token = _DENSE_SPANS.set(tuple(spans))
-    try:
-        yield
-    finally:
-        _DENSE_SPANS.reset(token)
 
 
 def quantize_weight(weight: torch.Tensor,  # [out_features, in_features]
@@ -180,8 +136,9 @@ def quantize_weight(weight: torch.Tensor,  # [out_features, in_features]
 
 
 def quantize_model(model: nn.Module, lm_head: bool = QUANTIZE_LM_HEAD,
-                   dtype: torch.dtype = COMPUTE_DTYPE) -> nn.Module:
-    """Turn ``model`` into the int8 engine in place and return it.
+                   dtype: torch.dtype = COMPUTE_DTYPE, engine: str = "int8") -> nn.Module:
+    """Turn ``model`` into the int8 (or ``engine="int4"``: :mod:`disco.int4`, int8 where
+    int4 does not fit a linear's shape) engine in place and return it.
 
     The model's parameters are cast to ``dtype`` (buffers such as rotary frequencies
     keep theirs, as ``from_pretrained(dtype=...)`` leaves them), then every ``nn.Linear``
@@ -196,23 +153,26 @@ def quantize_model(model: nn.Module, lm_head: bool = QUANTIZE_LM_HEAD,
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or (module is output and not lm_head):
             continue
-        _set_submodule(model, name, Int8Linear.from_weight(module.weight, module.bias, dtype))
+        kind = Int4Linear if engine == "int4" and int4_fits(module) else Int8Linear
+        _set_submodule(model, name, kind.from_weight(module.weight, module.bias, dtype))
     return model
 
 
-def int8_skeleton(model: nn.Module, lm_head: bool = QUANTIZE_LM_HEAD, dtype: torch.dtype = COMPUTE_DTYPE) -> nn.Module:
-    """Replace the linears of a meta-device model by empty :class:`Int8Linear` s (to be filled
-    by :func:`load_quantized`), exactly where :func:`quantize_model` puts them."""
+def quantized_skeleton(model: nn.Module, lm_head: bool = QUANTIZE_LM_HEAD, dtype: torch.dtype = COMPUTE_DTYPE,
+                       engine: str = "int8") -> nn.Module:
+    """Replace the linears of a meta-device model by empty quantized linears (to be filled
+    by :func:`load_quantized`), exactly where and as :func:`quantize_model` puts them."""
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or (module is output and not lm_head):
             continue
-        _set_submodule(model, name, Int8Linear(module.in_features, module.out_features, module.bias is not None,
-                                               dtype, device="meta"))
+        kind = Int4Linear if engine == "int4" and int4_fits(module) else Int8Linear
+        _set_submodule(model, name, kind(module.in_features, module.out_features, module.bias is not None,
+                                         dtype, device="meta"))
     return model
 
 
-def save_quantized(model: nn.Module, folder: Path, manifest: dict) -> None:
+def save_quantized(model: nn.Module, folder: Path, manifest: dict, engine: str = "int8") -> None:
     """Write every tensor of ``model`` (parameters and buffers, non-persistent ones too)
     into ``folder``; the manifest (with the tensors' aliases) is written last, and the
     folder appears under its final name only when complete."""
@@ -231,7 +191,7 @@ def save_quantized(model: nn.Module, folder: Path, manifest: dict) -> None:
     tmp.mkdir(parents=True)
     try:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        (tmp / MANIFEST_FILE).write_text(json.dumps({**manifest, "format": QUANT_FORMAT, "aliases": aliases},
+        (tmp / MANIFEST_FILE).write_text(json.dumps({**manifest, "format": QUANT_FORMATS[engine], "aliases": aliases},
                                                     indent=2) + "\n")
         for path in tmp.iterdir():  # NOTE: services may run as another user
             path.chmod(0o644)
@@ -246,16 +206,16 @@ def save_quantized(model: nn.Module, folder: Path, manifest: dict) -> None:
 
 
 def read_manifest(folder: Path) -> dict | None:
-    """The manifest of a complete cache folder of the current format, else ``None``."""
+    """The manifest of a complete cache folder of a current format, else ``None``."""
     try:
         manifest = json.loads((folder / MANIFEST_FILE).read_text())
     except (OSError, ValueError):
         return None
-    return manifest if isinstance(manifest, dict) and manifest.get("format") == QUANT_FORMAT else None
+    return manifest if isinstance(manifest, dict) and manifest.get("format") in QUANT_FORMATS.values() else None
 
 
 def load_quantized(skeleton: nn.Module, folder: Path, device: str = "cpu") -> nn.Module:
-    """Fill a meta-device :func:`int8_skeleton` with the tensors saved in ``folder``.
+    """Fill a meta-device :func:`quantized_skeleton` with the tensors saved in ``folder``.
 
     Raises:
         ValueError: the file does not match the skeleton (a tensor missing, extra, or
@@ -263,7 +223,7 @@ def load_quantized(skeleton: nn.Module, folder: Path, device: str = "cpu") -> nn
     """
     manifest = read_manifest(folder)
     if manifest is None:
-        raise ValueError(f"{folder} holds no complete quantized model of format {QUANT_FORMAT}")
+        raise ValueError(f"{folder} holds no complete quantized model of a current format")
     stored = load_file(str(folder / WEIGHTS_FILE), device=device)
     expected = dict(_named_tensors(skeleton))
     names = set(stored) | set(manifest.get("aliases", {}))

@@ -60,8 +60,8 @@ def test_the_rate_rule_drafts_while_one_more_token_raises_the_block_rate():
             drafted += 1
         return drafted
 
-    # First decision in closed form: 1 + p tokens for td + tv(1) s so far; one more adds
-    # p * p tokens for td + tv(2) - tv(1) s. INT8_AVX2: p = 0.8 stops, p = 0.9 goes on.
+    # First decision: 1 + p tokens for td + tv(1) s so far against 1 + p + ... + p^j tokens
+    # for j * td + tv(j) s. INT8_AVX2: p = 0.8 stops (no longer block is faster), p = 0.9 goes on.
     assert block_length(INT8_AVX2, 0.8) == 1 and block_length(INT8_AVX2, 0.9) > 1
     assert block_length(INT8_AVX2, 0.3) == 1
     assert block_length(INT8_AVX2, 0.9) <= block_length(INT8_AVX2, 0.97) <= block_length(INT8_AVX2, 0.995)

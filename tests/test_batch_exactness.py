@@ -22,7 +22,8 @@ from disco.draft_engine import DraftEngine
 from disco.interfaces import DraftToken, Feedback
 from disco.kv import CachedSequence
 from disco.policies import PolicyFactory
-from disco.quantize import DENSE_MIN_ROWS, quantize_model
+from disco.dense_prefill import DENSE_MIN_ROWS
+from disco.quantize import quantize_model
 from disco.target_engine import TargetEngine
 
 VOCAB = 512

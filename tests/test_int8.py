@@ -13,6 +13,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from disco import quantize
+from disco.dense_prefill import DENSE_MIN_ROWS, dense_prefill
 from disco.config import ModelConfig, SamplingParams, SpeculationConfig
 from disco.errors import InvalidRequest
 from disco.models import load_model, quantized_folder
@@ -84,7 +85,7 @@ def test_dense_prefill_spans_run_a_float32_gemm_and_leave_other_rows_alone(monke
     dense_rows = []
     original = Int8Linear._dense
     monkeypatch.setattr(Int8Linear, "_dense", lambda self, rows: dense_rows.append(len(rows)) or original(self, rows))
-    with quantize.dense_prefill([(3, 12), (20, 27)]):
+    with dense_prefill([(3, 12), (20, 27)]):
         mixed = module(x)
     assert dense_rows == [9, 7]
     for start, end in ((0, 3), (12, 20), (27, 30)):  # outside the spans: the int8 kernel, same bits
@@ -143,7 +144,7 @@ def test_speculation_is_greedy_exact_on_the_int8_engine(int8_target, int8_drafts
     for prompt in (*PROMPTS[:2], LONG_PROMPT):
         prompt_ids = tokenizer(prompt)["input_ids"]
         if prompt is LONG_PROMPT:  # its prefill takes the dense GEMM
-            assert len(prompt_ids) > quantize.DENSE_MIN_ROWS
+            assert len(prompt_ids) > DENSE_MIN_ROWS
         reference = local_generator(int8_target, None, tokenizer).generate(
             prompt_ids, sampling, SpeculationConfig(policy="none")).token_ids
         assert len(set(reference)) > 10  # a varied reference, or exactness proves nothing
@@ -240,15 +241,19 @@ def test_generate_cli_names_the_int8_engine(capsys, tiny_pair_dirs, tmp_path, mo
 ])
 def test_auto_dtype_from_cpu_flags(device, flags, expected):
     assert resolve_dtype("auto", device, frozenset(flags)) == expected
+    # the draft: int4 where the target gets int8, the target's engine elsewhere
+    assert resolve_dtype("auto", device, frozenset(flags), role="draft") == ("int4" if expected == "int8" else expected)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int8", "int4"])
 def test_explicit_dtype_is_kept(dtype):
     assert resolve_dtype(dtype, "cpu", frozenset({"amx_bf16"})) == dtype
+    assert resolve_dtype(dtype, "cpu", frozenset({"avx2"}), role="draft") == dtype
 
 
-@pytest.mark.parametrize("flags, expected", [({"avx2"}, "int8"), ({"amx_bf16"}, "bfloat16")])
-def test_cli_resolves_auto_once_at_the_entry_point(monkeypatch, flags, expected):
+@pytest.mark.parametrize("flags, expected, draft_expected", [({"avx2"}, "int8", "int4"),
+                                                             ({"amx_bf16"}, "bfloat16", "bfloat16")])
+def test_cli_resolves_auto_once_at_the_entry_point(monkeypatch, flags, expected, draft_expected):
     import disco.platform
     from orchestrator.cli import build_parser
     from orchestrator.commands.common import pair_config_from_args
@@ -257,14 +262,20 @@ def test_cli_resolves_auto_once_at_the_entry_point(monkeypatch, flags, expected)
     args = build_parser().parse_args(["generate", "--prompt", "x"])
     assert args.dtype == "auto"  # the default
     pair = pair_config_from_args(args)
-    assert pair.target.dtype == pair.draft.dtype == expected
+    assert pair.target.dtype == expected and pair.draft.dtype == draft_expected
+    explicit = pair_config_from_args(build_parser().parse_args(["generate", "--prompt", "x", "--dtype", "int8"]))
+    assert explicit.target.dtype == explicit.draft.dtype == "int8"  # an explicit engine is both models'
+    split = pair_config_from_args(build_parser().parse_args(
+        ["generate", "--prompt", "x", "--dtype", "bfloat16", "--draft-dtype", "int4"]))
+    assert (split.target.dtype, split.draft.dtype) == ("bfloat16", "int4")
     cuda = pair_config_from_args(build_parser().parse_args(["generate", "--prompt", "x", "--device", "cuda"]))
     assert cuda.target.dtype == "bfloat16"
 
 
 def test_model_config_accepts_int8_and_refuses_unresolved_auto():
     ModelConfig(dtype="int8").validate()
+    ModelConfig(dtype="int4").validate()
     with pytest.raises(InvalidRequest, match="resolved"):
         ModelConfig(dtype="auto").validate()
     with pytest.raises(InvalidRequest, match="dtype must be one of"):
-        ModelConfig(dtype="int4").validate()
+        ModelConfig(dtype="int2").validate()

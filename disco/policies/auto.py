@@ -14,10 +14,10 @@ one-token forwards and no draft pays; int8 weight-only lies in between (short dr
   ``disco:default``), the *rate rule* decides: after k drafted tokens with predicted
   conditional probabilities ``p_0 … p_{k-1}`` the block so far is worth
   ``E_k = 1 + C_0 + … + C_{k-1}`` tokens (``C_j = p_0 ··· p_j``; the 1 is the bonus or
-  correction token) for ``S_k = k * t_draft + t_verify(k) + 2 * t_rtt`` seconds; one more
-  token adds about ``C_{k-1} * p_{k-1}`` tokens for ``t_draft + t_verify(k+1) -
-  t_verify(k)`` seconds, and drafting goes on only while that marginal rate beats the
-  block's own rate ``E_k / S_k`` (greedy rate maximisation: no threshold to tune, the
+  correction token) for ``S_k = k * t_draft + t_verify(k) + 2 * t_rtt`` seconds; drafting
+  goes on only while some longer block ``j > k`` (its next tokens assumed as likely as
+  the last one, ``C_{i} = C_{k-1} * p_{k-1}^(i-k+1)``) has a higher expected rate
+  ``E_j / S_j`` than ``E_k / S_k`` (rate maximisation with no threshold to tune; the
   artifact's tuned threshold is not used). The costs, not a threshold tuned for another
   machine, set how long blocks get: long where verification is nearly free (GPU), short
   where it is not (int8 on AVX2);
@@ -118,6 +118,7 @@ class AutoPolicy(StopPolicy):
         self.rate_rule = cost is not None and getattr(artifact, "label", None) == "conditional"
         self._block_accepted = 1.0  # C_{k-1}: predicted P(every token drafted so far is accepted)
         self._block_tokens = 1.0  # E_k: expected tokens of the block so far
+        self._budget = 0  # the block's lookahead budget
 
     @property
     def acceptance(self) -> float:
@@ -127,7 +128,7 @@ class AutoPolicy(StopPolicy):
 
     def begin_block(self, max_lookahead: int) -> int:
         budget = self.disco.begin_block(max_lookahead)
-        self._block_accepted, self._block_tokens = 1.0, 1.0
+        self._block_accepted, self._block_tokens, self._budget = 1.0, 1.0, budget
         if self.cost is not None and not self.rate_rule:
             cap, _ = best_lookahead(self.cost, self.acceptance, max_lookahead)
             budget = min(budget, cap)
@@ -142,14 +143,27 @@ class AutoPolicy(StopPolicy):
 
     def marginal_beats_block(self, drafted: int, probability: float) -> bool:
         """Record draft token ``drafted - 1``'s predicted conditional acceptance and say
-        whether one more token raises the block's expected tokens per second."""
+        whether drafting on raises the block's expected tokens per second: whether some
+        longer block (the next tokens assumed as likely as this one, up to the block's
+        budget) beats the block as it stands. Looking past the next token matters where
+        the verification cost is uneven in k (a kernel's row tiles)."""
         cost = self.cost
         assert cost is not None
         self._block_accepted *= probability
         self._block_tokens += self._block_accepted
-        block_seconds = drafted * cost.t_draft + cost.verify(drafted) + 2 * cost.t_rtt
-        marginal_seconds = max(cost.t_draft + cost.verify(drafted + 1) - cost.verify(drafted), 1e-9)
-        return self._block_accepted * probability / marginal_seconds > self._block_tokens / block_seconds
+        rate = self._block_tokens / self._seconds(drafted)
+        tokens, accepted = self._block_tokens, self._block_accepted
+        for longer in range(drafted + 1, max(self._budget, drafted + 1) + 1):
+            accepted *= probability
+            tokens += accepted
+            if tokens / self._seconds(longer) > rate:
+                return True
+        return False
+
+    def _seconds(self, drafted: int) -> float:
+        cost = self.cost
+        assert cost is not None
+        return drafted * cost.t_draft + cost.verify(drafted) + 2 * cost.t_rtt
 
     def on_feedback(self, num_drafted: int, num_accepted: int) -> None:
         self.disco.on_feedback(num_drafted, num_accepted)

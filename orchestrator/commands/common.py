@@ -7,8 +7,9 @@ import argparse
 from disco.config import DTYPE_CHOICES, ModelConfig, PairConfig
 from disco.platform import resolve_dtype_here
 
-DTYPE_HELP = ("engine: auto (default: bfloat16 on CUDA and on CPUs with AMX or AVX-512-BF16, else int8), "
-              "bfloat16, float16, float32 (to check exactness) or int8 (int8 weight-only, bfloat16 activations)")
+DTYPE_HELP = ("engine: auto (default: bfloat16 on CUDA and on CPUs with AMX or AVX-512-BF16, else int8 for "
+              "the target and int4 for the draft), bfloat16, float16, float32 (to check exactness), int8 or int4 "
+              "(weight-only, bfloat16 activations)")
 
 
 def add_dtype_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -16,9 +17,11 @@ def add_dtype_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> 
     parser.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES), help=DTYPE_HELP)
 
 
-def dtype_from_args(args: argparse.Namespace) -> str:
-    """The concrete engine ``--dtype`` names on ``--device`` here (``auto`` resolved once)."""
-    return resolve_dtype_here(args.dtype, getattr(args, "device", "cpu"))
+def dtype_from_args(args: argparse.Namespace, role: str = "target") -> str:
+    """The concrete engine ``--dtype`` names for ``role`` on ``--device`` here (``auto``
+    resolved once; ``--draft-dtype``, where given, for the draft)."""
+    requested = getattr(args, "draft_dtype", None) if role == "draft" else None
+    return resolve_dtype_here(requested or args.dtype, getattr(args, "device", "cpu"), role)
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -29,15 +32,16 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--draft", default=None,
                        help="draft model: HF folder, hub id or .gguf file (default: the prepared default pair)")
     add_dtype_arg(group)
+    group.add_argument("--draft-dtype", default=None, choices=list(DTYPE_CHOICES),
+                       help="the draft's engine, where it should differ from --dtype")
     group.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
 
 
 def pair_config_from_args(args: argparse.Namespace) -> PairConfig:
     """Both models' configs, with ``--dtype auto`` resolved into the engine used here."""
-    dtype = dtype_from_args(args)
     pair = PairConfig(
-        target=ModelConfig(spec=args.target, dtype=dtype, device=args.device),
-        draft=ModelConfig(spec=args.draft, dtype=dtype, device=args.device),
+        target=ModelConfig(spec=args.target, dtype=dtype_from_args(args, "target"), device=args.device),
+        draft=ModelConfig(spec=args.draft, dtype=dtype_from_args(args, "draft"), device=args.device),
     )
     pair.target.validate()
     pair.draft.validate()

@@ -112,7 +112,7 @@ def _run_backend(args: argparse.Namespace) -> int:
         raise DiscoError("--tls-ca on a backend needs --tls-cert and --tls-key (its own certificate)")
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = ModelConfig(spec=args.model, dtype=dtype_from_args(args), device=args.device)
+    config = ModelConfig(spec=args.model, dtype=dtype_from_args(args, args.role), device=args.device)
     config.validate()
     if args.no_engine_costs:
         loaded, costs = load_model(config, args.role, disco_home()), None
