@@ -125,3 +125,10 @@ class PairConfig:
 
     target: ModelConfig = field(default_factory=ModelConfig)
     draft: ModelConfig = field(default_factory=ModelConfig)
+
+    @property
+    def engine(self) -> str:
+        """The engines in words: ``"int8"``, or ``"int8, draft int4"`` where they differ."""
+        if self.draft.dtype == self.target.dtype:
+            return self.target.dtype
+        return f"{self.target.dtype}, draft {self.draft.dtype}"

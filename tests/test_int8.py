@@ -263,6 +263,7 @@ def test_cli_resolves_auto_once_at_the_entry_point(monkeypatch, flags, expected,
     assert args.dtype == "auto"  # the default
     pair = pair_config_from_args(args)
     assert pair.target.dtype == expected and pair.draft.dtype == draft_expected
+    assert pair.engine == (expected if expected == draft_expected else f"{expected}, draft {draft_expected}")
     explicit = pair_config_from_args(build_parser().parse_args(["generate", "--prompt", "x", "--dtype", "int8"]))
     assert explicit.target.dtype == explicit.draft.dtype == "int8"  # an explicit engine is both models'
     split = pair_config_from_args(build_parser().parse_args(

@@ -70,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
     runners, peer, services, client = {}, None, None, None
     tokenizer, loaded, costs = None, None, None
     engine = pair.target.dtype  # --dtype auto resolved; a remote --server reports its own below
+    draft_engine = pair.draft.dtype
     try:
         if args.transport in ("local", "both") or args.peer == "hf":
             from disco.pipeline import build_local_pipeline  # noqa: PLC0415
@@ -95,7 +96,9 @@ def run(args: argparse.Namespace) -> int:
             client = DiscoClient(address, timeout=3600)
             runners["grpc"] = transports.GrpcRunner(client)
             if args.server:
-                engine = (client.info()["models"].get("target") or {}).get("dtype") or "unknown"
+                models = client.info()["models"]
+                engine = (models.get("target") or {}).get("dtype") or "unknown"
+                draft_engine = (models.get("draft") or {}).get("dtype") or "unknown"
             if tokenizer is None:
                 from orchestrator.server import load_tokenizer  # noqa: PLC0415
 
@@ -123,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         # `disco ...` however it was started (the script or `python -m orchestrator.cli`)
         "command": " ".join(["disco", *(shlex.quote(a) for a in sys.argv[1:])]),
         "dataset": dataset.name, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-        "dtype": engine, "engine": engine, "dtype_requested": args.dtype, "engine_costs": costs,
+        "dtype": engine, "engine": engine, "draft_engine": draft_engine, "dtype_requested": args.dtype, "engine_costs": costs,
         "device": args.device, "target": pair.target.spec or "default",
         "draft": pair.draft.spec or "default", "interrupted": result.interrupted, "llamacpp": llamacpp_env})
     print(report.markdown_table(rows))

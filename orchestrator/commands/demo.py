@@ -59,12 +59,12 @@ def run(args: argparse.Namespace) -> int:
             print()
             result = stream.result
             stats = RequestStats.from_dict(result.stats)
-            print(f"[{args.policy} | {pair.target.dtype}] {stats.summary_line()}", file=sys.stderr)
+            print(f"[{args.policy} | {pair.engine}] {stats.summary_line()}", file=sys.stderr)
             if args.baseline != "skip":
                 print(f"--- {args.baseline} (baseline, same services) ...", file=sys.stderr)
                 baseline = client.generate(args.prompt, policy=args.baseline, **request)
                 base_stats = RequestStats.from_dict(baseline.stats)
-                print(f"[{args.baseline} | {pair.target.dtype}] {base_stats.summary_line()}", file=sys.stderr)
+                print(f"[{args.baseline} | {pair.engine}] {base_stats.summary_line()}", file=sys.stderr)
                 same = baseline.token_ids == result.token_ids
                 speedup = stats.tokens_per_s / base_stats.tokens_per_s if base_stats.tokens_per_s else 0.0
                 print(f"tokens identical to {args.baseline}: {'yes' if same else 'NO'}; "

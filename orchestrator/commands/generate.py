@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         print(result_json(result.token_ids, result.text, result.stats.to_dict(), result.finish_reason))
     else:
         print()
-        print(f"[{speculation.policy} | {pair.target.dtype}] {result.stats.summary_line()}", file=sys.stderr)
+        print(f"[{speculation.policy} | {pair.engine}] {result.stats.summary_line()}", file=sys.stderr)
     return 0
 
 
