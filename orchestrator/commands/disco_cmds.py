@@ -13,6 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
+from disco.errors import DiscoError
 from orchestrator.commands.common import add_model_args, pair_config_from_args
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,9 @@ def register(subparsers) -> None:
     replay.add_argument("--max-lookahead", type=int, default=None, help="lookahead cap (default 20)")
     replay.add_argument("--ignore-eos", action="store_true", help="replay past EOS up to --max-new-tokens")
     replay.add_argument("--json-out", type=Path, default=None, help="write the JSON report here")
+    replay.add_argument("--overlap-rtt-ms", default=None, metavar="MS,...",
+                        help="also estimate overlapped drafting (draft and target on two devices) at these "
+                             "round-trip times, e.g. 0,1,5,20 (disco.overlap_estimate)")
     _add_cost_args(replay)
     replay.set_defaults(func=run_replay)
 
@@ -192,6 +196,8 @@ def run_replay(args: argparse.Namespace) -> int:
                                   max_lookahead=args.max_lookahead or replay.DEFAULT_REPLAY_LOOKAHEAD,
                                   honor_eos=not args.ignore_eos)
     print(replay.format_report(report))
+    if args.overlap_rtt_ms:
+        report["overlap_estimate"] = _overlap_estimate(args, records, cost)
     if args.json_out:
         args.json_out.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json_out}", file=sys.stderr)
@@ -250,3 +256,31 @@ def run_report(args: argparse.Namespace) -> int:
         args.json_out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json_out}", file=sys.stderr)
     return 0
+
+
+def _overlap_estimate(args: argparse.Namespace, records, cost) -> list[dict]:
+    """Sequential vs overlapped tokens/s per policy and round trip (printed and returned)."""
+    from disco import replay  # noqa: PLC0415
+    from disco.overlap_estimate import estimate  # noqa: PLC0415
+
+    try:
+        rtts = [float(value) for value in args.overlap_rtt_ms.split(",")]
+    except ValueError:
+        raise DiscoError(f"--overlap-rtt-ms takes comma-separated milliseconds, got {args.overlap_rtt_ms!r}") from None
+    rows = []
+    print(f"\n{'policy':<24}{'rtt ms':>8}{'seq tok/s':>11}{'overlap tok/s':>15}{'gain':>7}{'hit rate':>10}")
+    for spec in replay.expand_policies(args.policies):
+        if spec == "none":
+            continue
+        replayed = replay.replay_policy(records, spec, max_lookahead=args.max_lookahead or replay.DEFAULT_REPLAY_LOOKAHEAD,
+                                        honor_eos=not args.ignore_eos)
+        tokens = replayed.totals()["generated_tokens"]
+        for rtt in rtts:
+            result = estimate(records.records, replayed.records, cost.with_rtt(rtt / 1000))
+            row = {"policy": spec, "rtt_ms": rtt, "sequential_tokens_per_s": tokens / result.sequential_s,
+                   "overlapped_tokens_per_s": tokens / result.overlapped_s, "gain": result.speedup,
+                   "hit_rate": result.hit_rate, "free_tokens": result.free_tokens}
+            rows.append(row)
+            print(f"{spec:<24}{rtt:>8g}{row['sequential_tokens_per_s']:>11.2f}{row['overlapped_tokens_per_s']:>15.2f}"
+                  f"{result.speedup:>7.2f}{result.hit_rate:>10.2f}")
+    return rows

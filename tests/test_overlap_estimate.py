@@ -1,0 +1,48 @@
+"""The separate-devices estimate of overlapped drafting (disco/overlap_estimate.py)."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from disco.cost_model import CostModel
+from disco.overlap_estimate import MISS_PENALTY_FORWARDS, estimate, estimate_record
+from disco.replay import RecordReplay
+from disco.stats import RequestStats
+
+COST = CostModel(t_draft=0.05, t_verify=(0.2, 0.22, 0.24, 0.26, 0.3), t_rtt=0.0)
+
+
+def _replay(blocks):
+    return RecordReplay(stats=RequestStats(), blocks=list(blocks))
+
+
+def test_full_blocks_with_a_right_guess_take_the_next_block_off_the_critical_path():
+    # Two blocks of 3, both accepted in full; the draft's token at the bonus position (index 3) matches.
+    record = SimpleNamespace(matches=np.ones(16, dtype=bool))
+    result = estimate_record(record, _replay([(3, 3, 3), (3, 3, 3)]), COST)
+    sequential = 2 * (3 * 0.05 + 0.26)
+    assert result.sequential_s == pytest.approx(sequential)
+    # window after block 1: verify(3) = 0.26 s -> 5 draft forwards: 1 for the guess, 4 pre-drafted >= 3
+    assert result.free_tokens == 3 and result.hits == 1
+    assert result.overlapped_s == pytest.approx(sequential - 3 * 0.05)
+    assert result.speedup > 1
+
+
+def test_a_wrong_guess_or_a_rejection_is_a_miss_that_costs_half_a_forward():
+    wrong_bonus = SimpleNamespace(matches=np.array([True] * 3 + [False] + [True] * 12))
+    rejected = SimpleNamespace(matches=np.ones(16, dtype=bool))
+    for record, blocks in ((wrong_bonus, [(3, 3, 3), (3, 3, 3)]), (rejected, [(3, 3, 1), (3, 3, 3)])):
+        result = estimate_record(record, _replay(blocks), COST)
+        assert result.hits == 0 and result.free_tokens == 0
+        assert result.overlapped_s == pytest.approx(result.sequential_s + MISS_PENALTY_FORWARDS * 0.05)
+
+
+def test_round_trips_widen_the_window_and_sum_over_records():
+    record = SimpleNamespace(matches=np.ones(32, dtype=bool))
+    blocks = [(4, 4, 4)] * 4
+    near = estimate([record], [_replay(blocks)], COST)
+    far = estimate([record, record], [_replay(blocks), _replay(blocks)], COST.with_rtt(0.02))
+    assert far.iterations == 8 and far.hits == 6
+    assert far.sequential_s > 2 * near.sequential_s  # round trips cost in both modes
+    assert far.free_tokens == 2 * near.free_tokens == 2 * 3 * 4  # every later block pre-drafted in full
