@@ -46,3 +46,13 @@ def test_round_trips_widen_the_window_and_sum_over_records():
     assert far.iterations == 8 and far.hits == 6
     assert far.sequential_s > 2 * near.sequential_s  # round trips cost in both modes
     assert far.free_tokens == 2 * near.free_tokens == 2 * 3 * 4  # every later block pre-drafted in full
+
+
+def test_replay_runs_a_bare_auto_with_its_cost_model():
+    from disco.policies import parse_policy_spec
+    from disco.policies.auto import decode_costs
+    from disco.replay import with_costs
+
+    spec = with_costs("auto", COST)
+    assert spec.startswith("auto:") and with_costs("static:2", COST) == "static:2"
+    assert decode_costs(spec, parse_policy_spec(spec).argument).t_verify == pytest.approx(COST.t_verify)

@@ -272,7 +272,8 @@ def _overlap_estimate(args: argparse.Namespace, records, cost) -> list[dict]:
     for spec in replay.expand_policies(args.policies):
         if spec == "none":
             continue
-        replayed = replay.replay_policy(records, spec, max_lookahead=args.max_lookahead or replay.DEFAULT_REPLAY_LOOKAHEAD,
+        replayed = replay.replay_policy(records, replay.with_costs(spec, cost), name=spec,
+                                        max_lookahead=args.max_lookahead or replay.DEFAULT_REPLAY_LOOKAHEAD,
                                         honor_eos=not args.ignore_eos)
         tokens = replayed.totals()["generated_tokens"]
         for rtt in rtts:
