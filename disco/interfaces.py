@@ -46,9 +46,15 @@ class DraftToken:
 class DraftSummary:
     """Ends every draft stream: how the block was made and why drafting stopped."""
 
-    forwards: int  # draft-model forward passes spent on this block (incl. a discarded token)
-    elapsed_ns: int  # server-side time spent drafting this block
+    forwards: int  # draft-model forward passes spent on this block (incl. a discarded token and,
+    #                with overlap, every background pre-draft forward this call consumed, used or not)
+    elapsed_ns: int  # server-side time spent drafting this block (background pre-drafting excluded)
     stop_reason: str  # "policy", "lookahead_cap" or "discarded" (oracle)
+    # Overlapped drafting (disco.predraft): the block was pre-drafted during the last verification.
+    predrafted_used: int = 0  # pre-drafted tokens streamed in this block (an overlap hit)
+    predrafted_wasted: int = 0  # pre-drafted tokens discarded at this call (a miss, or past the cap)
+    overlap_hit: bool = False  # the guess (whole block accepted, bonus = draft's choice) was right
+    overlap_miss: bool = False  # a guess was made (or pre-drafting failed) and it was wrong
 
 
 DraftEvent = Union[DraftToken, DraftSummary]

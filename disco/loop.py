@@ -235,6 +235,10 @@ class SpeculativeGenerator:
             if isinstance(event, DraftSummary):
                 stats.draft_forwards += event.forwards
                 stats.backend_draft_s += event.elapsed_ns / 1e9
+                stats.overlap_hits += event.overlap_hit
+                stats.overlap_misses += event.overlap_miss
+                stats.predrafted_used += event.predrafted_used
+                stats.predrafted_wasted += event.predrafted_wasted
             else:
                 draft_ids.append(event.token_id)
                 if event.draft_probs is not None:

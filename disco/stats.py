@@ -35,6 +35,12 @@ class RequestStats:
     # timings over gRPC); the rest is what the transport and the loop added.
     backend_draft_s: float = 0.0
     backend_verify_s: float = 0.0
+    # Overlapped drafting (a drafter with overlap on): Draft calls whose block was pre-drafted
+    # on a right / wrong guess, and the pre-drafted tokens streamed / thrown away.
+    overlap_hits: int = 0
+    overlap_misses: int = 0
+    predrafted_used: int = 0
+    predrafted_wasted: int = 0
 
     @property
     def acceptance_rate(self) -> float:
