@@ -70,18 +70,20 @@ def default_learned_loader(draft: LoadedModel | None = None) -> LearnedPolicyLoa
 
 
 def build_local_pipeline(pair: PairConfig, home: Path, need_draft: bool = True,
-                         max_new_tokens_limit: int | None = None, measure_costs: bool = False) -> LocalPipeline:
+                         max_new_tokens_limit: int | None = None, measure_costs: bool = False,
+                         overlap: bool = False) -> LocalPipeline:
     """Load the target (and, unless only ``none`` will run, the draft) and wire them up.
 
     ``measure_costs``: give the loop the engines' measured costs (cached under ``home``;
-    measured on first use), which the ``auto`` policy reads."""
+    measured on first use), which the ``auto`` policy reads. ``overlap``: the draft engine
+    pre-drafts the next block while the target verifies (:mod:`disco.predraft`)."""
     target = load_model(pair.target, "target", home)
     draft = None
     if need_draft:
         draft = load_model(pair.draft, "draft", home)
         check_same_vocabulary(target, draft)
     costs = _measured_costs(pair, target, draft, home) if measure_costs and draft is not None else None
-    drafter = DraftEngine(draft.model, PolicyFactory(default_learned_loader(draft))) if draft else None
+    drafter = DraftEngine(draft.model, PolicyFactory(default_learned_loader(draft)), overlap=overlap) if draft else None
     generator = SpeculativeGenerator(
         drafter=drafter,
         verifier=TargetEngine(target.model),
@@ -102,3 +104,14 @@ def _measured_costs(pair: PairConfig, target: LoadedModel, draft: LoadedModel, h
 
 
 __all__ = ["LocalPipeline", "build_local_pipeline", "encode_prompt", "make_decode", "ModelConfig"]
+
+
+def with_overlap(pipeline: LocalPipeline, overlap: bool) -> SpeculativeGenerator:
+    """A generator on the same models and target engine whose draft engine pre-drafts
+    (``overlap``) or not: both modes side by side in one process (``disco bench --overlap off,on``)."""
+    base = pipeline.generator
+    drafter = (DraftEngine(pipeline.draft.model, PolicyFactory(default_learned_loader(pipeline.draft)), overlap=overlap)
+               if pipeline.draft is not None else None)
+    return SpeculativeGenerator(drafter=drafter, verifier=base.verifier, decode=base.decode,
+                                eos_token_ids=base.eos_token_ids, max_new_tokens_limit=base.max_new_tokens_limit,
+                                costs=base.costs)

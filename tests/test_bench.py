@@ -87,3 +87,19 @@ def test_bench_concurrency_reports_the_identical_rate_at_every_level(tiny_pair_d
     assert [row["concurrency"] for row in payload["rows"]] == [1, 4]
     assert all(row["identical"] == 1.0 and row["errors"] == 0 for row in payload["rows"]), payload["rows"]
     assert "| identical |" in capsys.readouterr().out
+
+
+def test_bench_puts_overlap_off_and_on_side_by_side(tiny_pair_dirs, tiny_dataset, tmp_path):
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--target", str(tiny_pair_dirs["target"]), "--draft", str(tiny_pair_dirs["draft"]),
+                 "--dtype", "float32", "--dataset", str(tiny_dataset), "--max-new-tokens", "12",
+                 "--policies", "static:3", "--overlap", "off,on", "--json-out", str(out)])
+    assert code == 0
+    rows = {(r["policy"], r["transport"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {("none", "local"), ("static:3", "local"), ("none", "local+overlap"),
+                         ("static:3", "local+overlap")}
+    for (policy, transport), row in rows.items():
+        assert row["overlap"] == (transport == "local+overlap")
+        assert row["identical"] == 1.0, (policy, transport)  # float32: overlap changes no token
+    assert rows[("static:3", "local")]["overlap_hit_rate"] is None  # nothing pre-drafted without overlap
+    assert rows[("static:3", "local+overlap")]["overlap_hit_rate"] is not None

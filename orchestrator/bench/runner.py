@@ -12,6 +12,9 @@ from tqdm import tqdm
 from disco.config import SamplingParams, SpeculationConfig
 from orchestrator.bench.transports import RunOutcome, Runner
 
+#: Transport names of runners whose draft engine pre-drafts (``disco bench --overlap on``).
+OVERLAP_SUFFIX = "+overlap"
+
 HF_PEER = "hf-assisted"
 
 
@@ -133,8 +136,19 @@ def summarize(run: BenchRun) -> list[dict]:
             # without the prompts' prefill (first repeat), as llama.cpp's decode rate
             "decode_tokens_per_s": decode_rate,
             "decode_speedup": decode_rate / base_decode_rate if decode_rate and base_decode_rate else None,
+            "overlap": transport.endswith(OVERLAP_SUFFIX),
+            "overlap_hit_rate": _overlap_hit_rate(stats),
+            "predrafted_used": sum(s.get("predrafted_used", 0) for s in stats) / len(stats) if stats else None,
+            "predrafted_wasted": sum(s.get("predrafted_wasted", 0) for s in stats) / len(stats) if stats else None,
         })
     return rows
+
+
+def _overlap_hit_rate(stats: Sequence[dict]) -> float | None:
+    """Iterations whose pre-drafted tokens were used, over the iterations that drafted."""
+    hits = sum(s.get("overlap_hits", 0) for s in stats)
+    tried = hits + sum(s.get("overlap_misses", 0) for s in stats)
+    return hits / tried if tried else None
 
 
 def _decode_rate(stats: Sequence[dict]) -> float | None:

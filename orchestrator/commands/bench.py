@@ -24,6 +24,10 @@ def register(subparsers) -> None:
     parser.add_argument("--policies", required=True,
                         help="comma-separated policy specs; 'none' (the baseline) is always added")
     parser.add_argument("--transport", choices=["local", "grpc", "both"], default="local")
+    parser.add_argument("--overlap", default="off", choices=["off", "on", "off,on"],
+                        help="the draft engine pre-drafts the next block during verification (docs/overlap.md); "
+                             "off,on: both side by side in one run (local: transport rows local and "
+                             "local+overlap; grpc: the services started here run one mode, the first given)")
     parser.add_argument("--server", default=None, metavar="HOST:PORT",
                         help="grpc transport: use this orchestrator instead of starting the services here")
     parser.add_argument("--peer", choices=["hf", "llamacpp"], default=None,
@@ -79,7 +83,11 @@ def run(args: argparse.Namespace) -> int:
             tokenizer = pipeline.tokenizer
             loaded = {"target": pipeline.target, "draft": pipeline.draft}
             if args.transport in ("local", "both"):
-                runners["local"] = transports.LocalRunner(pipeline.generator)
+                from disco.pipeline import with_overlap  # noqa: PLC0415
+
+                for mode in args.overlap.split(","):
+                    name = "local" if mode == "off" else f"local{runner.OVERLAP_SUFFIX}"
+                    runners[name] = transports.LocalRunner(with_overlap(pipeline, mode == "on"))
             if args.peer == "hf":
                 peer = transports.HfAssistedRunner(pipeline.target.model, pipeline.draft.model,
                                                    pipeline.target.eos_token_ids,

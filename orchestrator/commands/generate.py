@@ -49,6 +49,9 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser("generate", help="generate one completion with speculative decoding")
     parser.add_argument("--prompt", required=True, help="prompt text (raw completion unless --chat)")
     parser.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    parser.add_argument("--overlap", choices=["off", "on"], default="off",
+                        help="in process: the draft pre-drafts the next block while the target verifies "
+                             "(docs/overlap.md; with --server the draft service decides)")
     parser.add_argument("--json", action="store_true",
                         help="print exactly one JSON object {token_ids, text, stats} instead of streaming")
     parser.add_argument("--server", default=None, metavar="HOST:PORT",
@@ -75,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidRequest("prompt is empty")
     pair = pair_config_from_args(args)  # --dtype auto resolved: the stats line names the engine used
     pipeline = build_local_pipeline(pair, disco_home(), need_draft=parse_policy_spec(speculation.policy).uses_draft,
-                                    measure_costs=speculation.policy == "auto")
+                                    measure_costs=speculation.policy == "auto", overlap=args.overlap == "on")
     prompt_ids = encode_prompt(pipeline.tokenizer, args.prompt, args.chat)
     result = None
     for event in pipeline.generator.stream(prompt_ids, sampling, speculation):
