@@ -84,10 +84,12 @@ class ModelService:
         tls: ``{"cert", "key", "ca"}`` PEM paths readable on this node: serve TLS; with
             ``ca``, require client certificates it signed (mTLS). ``None``: plaintext.
         metrics: serve Prometheus ``/metrics`` on a free port of ``host`` (see ``describe()``).
+        overlap: draft only: overlapped drafting (pre-draft the next block while the target
+            verifies, :mod:`disco.predraft`).
     """
 
     def __init__(self, role: str, model: dict, host: str | None = None, limits: dict | None = None,
-                 tls: dict | None = None, metrics: bool = False) -> None:
+                 tls: dict | None = None, metrics: bool = False, overlap: bool = False) -> None:
         import draft_service.server  # noqa: PLC0415 - torch-using modules after tune_cpu_math_env
         import target_service.server  # noqa: PLC0415
         from disco.config import ModelConfig  # noqa: PLC0415
@@ -101,13 +103,15 @@ class ModelService:
         module = draft_service.server if role == "draft" else target_service.server
         host = host or ray.util.get_node_ip_address()
         self._tls = _tls(tls)
+        options = {"overlap": overlap} if role == "draft" else {}
         self._running = module.serve(loaded, host=host, port=0, limits=SessionLimits(**(limits or {})),
-                                     tls=self._tls, metrics_port=0 if metrics else None)
+                                     tls=self._tls, metrics_port=0 if metrics else None, **options)
         if self._running.metrics is not None:
             self._running.metrics.describe_engine(model["dtype"], model.get("device", "cpu"))
         self._address = _advertised(host, self._running.port)
         self._service = f"disco.v1.{'DraftService' if role == 'draft' else 'TargetService'}"
-        self._model = {"name": loaded.name, "dtype": model.get("dtype"), "device": model.get("device")}
+        self._model = {"name": loaded.name, "dtype": model.get("dtype"), "device": model.get("device"),
+                       **({"overlap": overlap} if role == "draft" else {})}
 
     def address(self) -> str:
         return self._address

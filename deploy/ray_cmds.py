@@ -16,6 +16,7 @@ import time
 
 from disco.errors import DiscoError
 from orchestrator.commands.common import add_deployment_security_args, add_dtype_arg, add_server_security_args
+from orchestrator.commands.serve import add_overlap_arg, overlap_from_args
 
 DEFAULT_NAMESPACE = "disco"
 DEFAULT_PORT = 50051
@@ -54,6 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-sessions", type=int, default=64, help="concurrent sessions per replica (default 64)")
     parser.add_argument("--metrics", action="store_true",
                         help="each service serves Prometheus /metrics on a free port (`disco status` lists them)")
+    add_overlap_arg(parser, "of the draft replicas")
     add_deployment_security_args(
         parser, "security (PEM paths readable on every node; every service gets the same files, as with "
         "`disco serve`)", require_client_cert=True,
@@ -125,7 +127,7 @@ def _run_up(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts, max_sessions=args.max_sessions, placement_timeout_s=args.placement_timeout,
         tls_cert=_absolute(args.tls_cert), tls_key=_absolute(args.tls_key), tls_ca=_absolute(args.tls_ca),
         tls_server_name=args.tls_server_name, tls_require_client_cert=args.tls_require_client_cert,
-        metrics=args.metrics)
+        metrics=args.metrics, overlap=overlap_from_args(args))
     result = up(config, disco_home(), auth_token_from_env(args.auth_token))
     if args.json:
         print(json.dumps(result), flush=True)

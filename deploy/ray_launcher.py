@@ -75,6 +75,7 @@ class UpConfig:
     tls_server_name: str | None = None
     tls_require_client_cert: bool = False
     metrics: bool = False  # each service serves /metrics on a free port (`disco status` lists them)
+    overlap: bool = False  # draft replicas pre-draft the next block while the target verifies (disco.predraft)
 
     def tls_paths(self) -> dict | None:
         paths = {"cert": self.tls_cert, "key": self.tls_key, "ca": self.tls_ca}
@@ -156,7 +157,8 @@ def _deploy(config: UpConfig, auth_token: str | None) -> dict:
             name=replica_name(role, index), lifetime="detached", max_restarts=config.max_restarts,
             num_cpus=cpus, num_gpus=role_gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle_index),
-        ).remote(role, model, config.host, {"max_sessions": config.max_sessions}, config.tls_paths(), config.metrics)
+        ).remote(role, model, config.host, {"max_sessions": config.max_sessions}, config.tls_paths(), config.metrics,
+                 overlap=config.overlap and role == "draft")
     addresses = {name: _await(name, handle, config.startup_timeout_s) for name, handle in handles.items()}
     orchestrator = None
     if config.orchestrator:

@@ -21,7 +21,7 @@ from protos.security import TlsFiles
 def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0, limits: SessionLimits = SessionLimits(),
           policy_factory: PolicyFactory | None = None, artifact_dirs: Sequence[str | os.PathLike] = (),
           max_prompt_tokens: int | None = None, tls: TlsFiles | None = None,
-          metrics_port: int | None = None, forward_s: Sequence[float] = ()) -> RunningServer:
+          metrics_port: int | None = None, forward_s: Sequence[float] = (), overlap: bool = False) -> RunningServer:
     """Start serving ``loaded`` as the draft model; returns at once (the server runs in threads).
 
     Args:
@@ -39,12 +39,14 @@ def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0, limits
         tls: serve TLS; with ``tls.ca`` clients must present a certificate it signed (mTLS).
         metrics_port: serve Prometheus ``/metrics`` on ``host:metrics_port`` (0: a free port).
         forward_s: the model's measured forward costs (:mod:`disco.engine_costs`), reported by ``Info``.
+        overlap: overlapped drafting (:mod:`disco.predraft`): pre-draft each session's next block
+            while the target verifies the last one; reported by ``Info``, counted in ``/metrics``.
 
     Raises:
         DiscoError: the address cannot be bound.
     """
     policy_factory = policy_factory or PolicyFactory(restricted_loader(default_learned_loader(loaded), artifact_dirs))
-    engine = DraftEngine(loaded.model, policy_factory, limits)
+    engine = DraftEngine(loaded.model, policy_factory, limits, overlap=overlap)
     metrics = ServerMetrics("draft", loaded.name)
     metrics.track_batches(lambda: engine.batcher.batch_sizes)
     servicer = DraftServicer(engine, loaded, limits, max_prompt_tokens, metrics, forward_s)

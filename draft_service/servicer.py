@@ -13,6 +13,7 @@ from typing import Iterator, Sequence
 import grpc
 
 from disco.draft_engine import DraftEngine
+from disco.interfaces import DraftEvent, DraftSummary
 from disco.models import LoadedModel
 from disco.sessions import SessionLimits
 from draft_service.run_ahead import run_ahead
@@ -36,6 +37,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.max_prompt_tokens = max_prompt_tokens  # applies to re-prefills too (prompt + tokens so far)
         self.metrics = metrics or ServerMetrics("draft", loaded.name)
         self.metrics.track_sessions(engine.active_sessions, limits.max_sessions)
+        self.metrics.track_overlap()
         # Draft streams draft on these threads, ahead of the gRPC thread sending each token.
         self.drafting_threads = ThreadPoolExecutor(max_workers=limits.max_sessions + 1,
                                                    thread_name_prefix="drafting")
@@ -57,8 +59,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         events = self.engine.draft(request.session_id, feedback, request.max_lookahead)
         # Drafting runs ahead of sending (see run_ahead); a cancelled stream closes the
         # engine's block generator, which releases the session for the next Draft call.
-        yield from run_ahead(events, lambda event: convert.draft_event_to_pb(event, convert.elapsed_ns(started)),
-                             self.drafting_threads)
+        yield from run_ahead(events, lambda event: self._to_pb(event, started), self.drafting_threads)
+
+    def _to_pb(self, event: DraftEvent, started_ns: int) -> draft_pb2.DraftEvent:
+        if isinstance(event, DraftSummary):
+            self.metrics.count_overlap(event.overlap_hit, event.overlap_miss, event.predrafted_used,
+                                       event.predrafted_wasted)
+        return convert.draft_event_to_pb(event, convert.elapsed_ns(started_ns))
 
     def EndSession(self, request: common_pb2.EndSessionRequest,
                    context: grpc.ServicerContext) -> common_pb2.EndSessionResponse:
@@ -73,4 +80,4 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def Info(self, request: common_pb2.ServiceInfoRequest, context: grpc.ServicerContext) -> common_pb2.ServiceInfo:
         return convert.service_info_pb("draft", self.loaded, self.engine.max_context,
                                        self.engine.active_sessions(), self.limits, time.perf_counter_ns(),
-                                       self.forward_s)
+                                       self.forward_s, overlap=self.engine.overlap)

@@ -96,7 +96,8 @@ class LocalServices:
 
 
 def launch(pair: PairConfig, host: str = "127.0.0.1", port: int = 0, threads: int | None = None,
-           startup_timeout_s: float = STARTUP_TIMEOUT_S, options: ServiceOptions = ServiceOptions()) -> LocalServices:
+           startup_timeout_s: float = STARTUP_TIMEOUT_S, options: ServiceOptions = ServiceOptions(),
+           overlap: bool = False) -> LocalServices:
     """Start target, draft and orchestrator; returns once all three listen.
 
     Args:
@@ -106,6 +107,8 @@ def launch(pair: PairConfig, host: str = "127.0.0.1", port: int = 0, threads: in
         threads: torch CPU threads of each model process (``None``: torch's default).
         startup_timeout_s: how long model loading may take.
         options: TLS, token, metrics and log flags of the children.
+        overlap: the draft service pre-drafts each next block while the target verifies
+            (``disco draft-server --overlap on``, :mod:`disco.predraft`).
 
     Raises:
         DiscoError: a child exited or did not announce its address in time (all are stopped).
@@ -114,7 +117,8 @@ def launch(pair: PairConfig, host: str = "127.0.0.1", port: int = 0, threads: in
     try:
         for role, config in (("target", pair.target), ("draft", pair.draft)):
             threads_args = ["--threads", str(threads)] if threads else []
-            services.processes[role] = _spawn([f"{role}-server", *_model_args(config), *threads_args,
+            overlap_args = ["--overlap", "on"] if role == "draft" and overlap else []
+            services.processes[role] = _spawn([f"{role}-server", *_model_args(config), *threads_args, *overlap_args,
                                                "--host", host, "--port", "0", *options.args(role)],
                                               options.env(role))
         for role in ("target", "draft"):

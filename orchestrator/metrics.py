@@ -55,6 +55,16 @@ class OrchestratorMetrics(ServerMetrics):
                                          "Target sessions re-created from the orchestrator's tokens", registry=r)
         self.draft_reprefills = Counter("disco_spec_decode_draft_reprefills",
                                         "Draft sessions re-created on another replica after a failure", registry=r)
+        self.overlap_hits = Counter("disco_spec_decode_overlap_hits",
+                                    "Draft calls whose block had been pre-drafted on a right guess (a draft "
+                                    "service with overlapped drafting)", registry=r)
+        self.overlap_misses = Counter("disco_spec_decode_overlap_misses",
+                                      "Draft calls whose pre-drafted block was thrown away (a wrong guess)",
+                                      registry=r)
+        self.predrafted_used = Counter("disco_spec_decode_predrafted_tokens_used",
+                                       "Pre-drafted tokens streamed as draft tokens", registry=r)
+        self.predrafted_wasted = Counter("disco_spec_decode_predrafted_tokens_wasted",
+                                         "Pre-drafted tokens thrown away", registry=r)
         self.generation_tokens = Counter("disco_generation_tokens", "Tokens generated", registry=r)
         self.request_success = Counter("disco_request_success", "Requests finished, by finish reason",
                                        ["finished_reason"], registry=r)
@@ -103,6 +113,10 @@ class OrchestratorMetrics(ServerMetrics):
         self.draft_fallbacks.inc(stats.draft_fallbacks)
         self.target_reprefills.inc(stats.target_reprefills)
         self.draft_reprefills.inc(stats.draft_reprefills)
+        self.overlap_hits.inc(stats.overlap_hits)
+        self.overlap_misses.inc(stats.overlap_misses)
+        self.predrafted_used.inc(stats.predrafted_used)
+        self.predrafted_wasted.inc(stats.predrafted_wasted)
         self.request_success.labels(stats.finish_reason or "unknown").inc()
         self.e2e_latency.observe(latency_s)
         if latency_s > 0:

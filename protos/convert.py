@@ -145,7 +145,9 @@ def draft_event_to_pb(event: DraftEvent, elapsed: int) -> draft_pb2.DraftEvent:
     """``elapsed``: server-side ns since the Draft call began (tokens only)."""
     if isinstance(event, DraftSummary):
         return draft_pb2.DraftEvent(summary=draft_pb2.DraftSummary(
-            forwards=event.forwards, elapsed_ns=event.elapsed_ns, stop_reason=event.stop_reason))
+            forwards=event.forwards, elapsed_ns=event.elapsed_ns, stop_reason=event.stop_reason,
+            predrafted_used=event.predrafted_used, predrafted_wasted=event.predrafted_wasted,
+            overlap_hit=event.overlap_hit, overlap_miss=event.overlap_miss))
     token = draft_pb2.DraftToken(token_id=event.token_id, draft_prob=event.draft_prob, elapsed_ns=elapsed)
     if event.draft_probs is not None:
         token.draft_probs.CopyFrom(distribution_to_pb(event.draft_probs))
@@ -155,20 +157,27 @@ def draft_event_to_pb(event: DraftEvent, elapsed: int) -> draft_pb2.DraftEvent:
 def draft_event_from_pb(message: draft_pb2.DraftEvent) -> DraftEvent:
     if message.WhichOneof("event") == "summary":
         summary = message.summary
+        # NOTE: a draft service older than overlapped drafting sends none of the overlap
+        # fields: they read as 0 / False, which is what such a service did.
         return DraftSummary(forwards=summary.forwards, elapsed_ns=summary.elapsed_ns,
-                            stop_reason=summary.stop_reason)
+                            stop_reason=summary.stop_reason, predrafted_used=summary.predrafted_used,
+                            predrafted_wasted=summary.predrafted_wasted, overlap_hit=summary.overlap_hit,
+                            overlap_miss=summary.overlap_miss)
     token = message.token
     probs = distribution_from_pb(token.draft_probs) if token.HasField("draft_probs") else None
     return DraftToken(token_id=token.token_id, draft_prob=token.draft_prob, draft_probs=probs)
 
 
 def service_info_pb(role: str, loaded: LoadedModel, max_context: int, active_sessions: int,
-                    limits: SessionLimits, started_ns: int, forward_s: Sequence[float] = ()) -> common_pb2.ServiceInfo:
-    """What a backend serves (its ``Info`` answer); ``forward_s``: its measured forward costs."""
+                    limits: SessionLimits, started_ns: int, forward_s: Sequence[float] = (),
+                    overlap: bool = False) -> common_pb2.ServiceInfo:
+    """What a backend serves (its ``Info`` answer); ``forward_s``: its measured forward costs;
+    ``overlap``: the draft engine pre-drafts (overlapped drafting)."""
     parameter = next(loaded.model.parameters())
     return common_pb2.ServiceInfo(
         role=role, model_name=loaded.name, fingerprint=loaded.fingerprint, tokenizer_hash=loaded.tokenizer_hash,
         vocab_size=loaded.vocab_size, max_context=max_context, eos_token_ids=list(loaded.eos_token_ids),
         dtype=loaded.engine or str(parameter.dtype).removeprefix("torch."), device=str(parameter.device),
         active_sessions=active_sessions, max_sessions=limits.max_sessions, idle_ttl_s=limits.idle_ttl_s,
-        version=disco.__version__, elapsed_ns=elapsed_ns(started_ns), forward_s=list(forward_s))
+        version=disco.__version__, elapsed_ns=elapsed_ns(started_ns), forward_s=list(forward_s),
+        overlap=overlap)

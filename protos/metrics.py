@@ -71,6 +71,26 @@ class ServerMetrics:
 
         gauge.set_function(mean)
 
+    def track_overlap(self) -> None:
+        """Draft services: the overlapped-drafting counters (``disco draft-server --overlap on``;
+        they stay 0 while overlap is off). Feed them with :meth:`count_overlap`."""
+        r = self.registry
+        self.overlap_hits = Counter("disco_overlap_hits", "Draft calls whose block had been pre-drafted on a "
+                                    "right guess (overlapped drafting)", registry=r)
+        self.overlap_misses = Counter("disco_overlap_misses", "Draft calls whose pre-drafted block was thrown "
+                                      "away (a wrong guess, or pre-drafting failed)", registry=r)
+        self.predrafted_used = Counter("disco_overlap_predrafted_tokens_used",
+                                       "Pre-drafted tokens streamed as draft tokens", registry=r)
+        self.predrafted_wasted = Counter("disco_overlap_predrafted_tokens_wasted",
+                                         "Pre-drafted tokens thrown away", registry=r)
+
+    def count_overlap(self, hit: bool, miss: bool, used: int, wasted: int) -> None:
+        """Count one Draft call's overlap outcome (its ``DraftSummary``)."""
+        self.overlap_hits.inc(int(hit))
+        self.overlap_misses.inc(int(miss))
+        self.predrafted_used.inc(used)
+        self.predrafted_wasted.inc(wasted)
+
     def describe_engine(self, engine: str, device: str, forward_s: Sequence[float] = ()) -> None:
         """Name the engine this backend runs (``disco_engine_info``) and expose its measured
         forward costs (``disco_engine_forward_seconds{new_tokens="k"}``, from

@@ -53,6 +53,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         add_server_security_args(parser)
         if role == "draft":
             _add_artifact_dir_arg(parser)
+            add_overlap_arg(parser)
         parser.set_defaults(func=_run_backend, role=role)
 
     parser = subparsers.add_parser("orchestrator", help="run the public orchestrator over a draft and a target service")
@@ -77,6 +78,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_listen_args(parser, PORTS["orchestrator"])
     add_operations_args(parser)
     _add_artifact_dir_arg(parser)
+    add_overlap_arg(parser, "of the draft service")
     parser.set_defaults(func=_run_serve)
     add_deployment_security_args(parser, "security (every child gets the same files)")
 
@@ -85,6 +87,18 @@ def _add_artifact_dir_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--artifact-dir", action="append", default=None, metavar="DIR",
                         help="folder of DISCO artifacts that `disco:NAME` policies may name (repeatable; default "
                              "$DISCO_HOME/artifacts); a request can never make the draft open any other file")
+
+
+def add_overlap_arg(parser: argparse.ArgumentParser, whose: str = "") -> None:
+    """``--overlap on|off`` (default off); read it with :func:`overlap_from_args`."""
+    parser.add_argument("--overlap", choices=("on", "off"), default="off",
+                        help=f"overlapped drafting{' ' + whose if whose else ''}: pre-draft each request's next "
+                             "block while the target verifies the last one, used when the guess (whole block "
+                             "accepted) is right; output unchanged (default off; docs/overlap.md)")
+
+
+def overlap_from_args(args: argparse.Namespace) -> bool:
+    return getattr(args, "overlap", "off") == "on"
 
 
 def _add_threads_arg(parser: argparse.ArgumentParser) -> None:
@@ -123,7 +137,8 @@ def _run_backend(args: argparse.Namespace) -> int:
                    tls=tls, metrics_port=args.metrics_port, forward_s=costs.forward_s if costs else ())
     if args.role == "draft":
         running = draft_service.server.serve(
-            loaded, artifact_dirs=args.artifact_dir or [disco_home() / "artifacts"], **options)
+            loaded, artifact_dirs=args.artifact_dir or [disco_home() / "artifacts"], overlap=overlap_from_args(args),
+            **options)
     else:
         running = target_service.server.serve(loaded, **options)
     if running.metrics is not None:
@@ -188,7 +203,7 @@ def _run_serve(args: argparse.Namespace) -> int:
                              metrics_port=args.metrics_port, max_prompt_tokens=args.max_prompt_tokens,
                              log_format=args.log_format, artifact_dirs=tuple(args.artifact_dir or ()))
     services = launch(pair_config_from_args(args), host=args.host, port=args.port, threads=args.threads,
-                      options=options)
+                      options=options, overlap=overlap_from_args(args))
     try:
         if args.json:  # with --metrics-port, also {"metrics": {service: HOST:PORT}}
             announced = {name: services.addresses[name] for name in ("orchestrator", "draft", "target")}

@@ -52,11 +52,19 @@ class DraftToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., draft_prob: _Optional[float] = ..., draft_probs: _Optional[_Union[_common_pb2.Distribution, _Mapping]] = ..., elapsed_ns: _Optional[int] = ...) -> None: ...
 
 class DraftSummary(_message.Message):
-    __slots__ = ("forwards", "elapsed_ns", "stop_reason")
+    __slots__ = ("forwards", "elapsed_ns", "stop_reason", "predrafted_used", "predrafted_wasted", "overlap_hit", "overlap_miss")
     FORWARDS_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_NS_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFTED_USED_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFTED_WASTED_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_HIT_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_MISS_FIELD_NUMBER: _ClassVar[int]
     forwards: int
     elapsed_ns: int
     stop_reason: str
-    def __init__(self, forwards: _Optional[int] = ..., elapsed_ns: _Optional[int] = ..., stop_reason: _Optional[str] = ...) -> None: ...
+    predrafted_used: int
+    predrafted_wasted: int
+    overlap_hit: bool
+    overlap_miss: bool
+    def __init__(self, forwards: _Optional[int] = ..., elapsed_ns: _Optional[int] = ..., stop_reason: _Optional[str] = ..., predrafted_used: _Optional[int] = ..., predrafted_wasted: _Optional[int] = ..., overlap_hit: _Optional[bool] = ..., overlap_miss: _Optional[bool] = ...) -> None: ...
