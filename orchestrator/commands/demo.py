@@ -10,6 +10,7 @@ import sys
 
 from disco.stats import RequestStats
 from orchestrator.commands.common import add_model_args, pair_config_from_args
+from orchestrator.commands.serve import add_overlap_arg, overlap_from_args
 
 DEMO_PROMPT = "def fib(n):"
 #: Tokens of the untimed warm-up request per policy.
@@ -24,6 +25,7 @@ def register(subparsers) -> None:
                         help="also run this policy through the services and compare tokens and speed "
                              "('skip' to skip; default none = target-only)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    add_overlap_arg(parser)
     add_model_args(parser)
     parser.set_defaults(func=run)
 
@@ -37,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     pair = pair_config_from_args(args)
     print("starting the target, draft and orchestrator services (the first run prepares the default pair)...",
           file=sys.stderr)
-    services = launch(pair)
+    services = launch(pair, overlap=overlap_from_args(args))
     try:
         address = services.addresses["orchestrator"]
         print(f"orchestrator listening on {address} (draft {services.addresses['draft']}, "
