@@ -41,11 +41,12 @@ class Backends:
     """
 
     def __init__(self, draft: str | ReplicaSet, target: str | ReplicaSet, tokenizer_hash: str,
-                 tls: TlsFiles | None = None) -> None:
+                 tls: TlsFiles | None = None, added_rtt_s: float = 0.0) -> None:
         self.draft = draft if isinstance(draft, ReplicaSet) else ReplicaSet.static("draft", draft)
         self.target = target if isinstance(target, ReplicaSet) else ReplicaSet.static("target", target)
         if tls is not None:
             self.draft.tls = self.target.tls = tls
+        self.draft.added_rtt_s = self.target.added_rtt_s = added_rtt_s
         self.tokenizer_hash = tokenizer_hash
         self._target_info: common_pb2.ServiceInfo | None = None
         self._costs: CostModel | None = None

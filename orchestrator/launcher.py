@@ -97,7 +97,7 @@ class LocalServices:
 
 def launch(pair: PairConfig, host: str = "127.0.0.1", port: int = 0, threads: int | None = None,
            startup_timeout_s: float = STARTUP_TIMEOUT_S, options: ServiceOptions = ServiceOptions(),
-           overlap: bool = False) -> LocalServices:
+           overlap: bool = False, pin_cores: bool = False, added_rtt_ms: float = 0.0) -> LocalServices:
     """Start target, draft and orchestrator; returns once all three listen.
 
     Args:
@@ -109,24 +109,32 @@ def launch(pair: PairConfig, host: str = "127.0.0.1", port: int = 0, threads: in
         options: TLS, token, metrics and log flags of the children.
         overlap: the draft service pre-drafts each next block while the target verifies
             (``disco draft-server --overlap on``, :mod:`disco.predraft`).
+        pin_cores: run the target and the draft on disjoint halves of this process's CPUs
+            (:func:`split_cores`; threads set to match): two devices on one machine. The
+            orchestrator keeps every CPU.
+        added_rtt_ms: the orchestrator delays every call to the backends by this much
+            (``disco orchestrator --added-rtt-ms``): services on different nodes.
 
     Raises:
         DiscoError: a child exited or did not announce its address in time (all are stopped).
     """
     services = LocalServices()
+    cores = split_cores(sorted(os.sched_getaffinity(0))) if pin_cores else {}
     try:
         for role, config in (("target", pair.target), ("draft", pair.draft)):
-            threads_args = ["--threads", str(threads)] if threads else []
+            role_threads = len(cores[role]) if role in cores else threads
+            threads_args = ["--threads", str(role_threads)] if role_threads else []
             overlap_args = ["--overlap", "on"] if role == "draft" and overlap else []
             services.processes[role] = _spawn([f"{role}-server", *_model_args(config), *threads_args, *overlap_args,
                                                "--host", host, "--port", "0", *options.args(role)],
-                                              options.env(role))
+                                              options.env(role), cores.get(role))
         for role in ("target", "draft"):
             _record(services, role, _await_announcement(role, services.processes[role], startup_timeout_s))
         tokenizer_args = ["--model", pair.target.spec] if pair.target.spec else []
         services.processes["orchestrator"] = _spawn([
             "orchestrator", "--target", services.addresses["target"], "--draft", services.addresses["draft"],
-            *tokenizer_args, "--host", host, "--port", str(port), *options.args("orchestrator")],
+            *tokenizer_args, "--host", host, "--port", str(port), *options.args("orchestrator"),
+            *(["--added-rtt-ms", str(added_rtt_ms)] if added_rtt_ms else [])],
             options.env("orchestrator"))
         _record(services, "orchestrator", _await_announcement("orchestrator", services.processes["orchestrator"],
                                                               startup_timeout_s))
@@ -140,12 +148,24 @@ def _model_args(config: ModelConfig) -> list[str]:
     return [*(["--model", config.spec] if config.spec else []), "--dtype", config.dtype, "--device", config.device]
 
 
-def _spawn(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+def split_cores(cores: list[int]) -> dict[str, set[int]]:
+    """The target gets the first half of ``cores`` (the larger half), the draft the rest
+    (both the one core when there is only one)."""
+    half = max(1, (len(cores) + 1) // 2)
+    return {"target": set(cores[:half]), "draft": set(cores[half:] or cores[:1])}
+
+
+def _spawn(argv: list[str], env: dict[str, str] | None = None, cores: set[int] | None = None) -> subprocess.Popen:
     # NOTE: children do not get the terminal's Ctrl-C (start_new_session): the parent
     # stops them with SIGTERM, and on Linux they get SIGTERM too if the parent dies.
+    def before_exec() -> None:
+        _terminate_with_parent()
+        if cores:
+            os.sched_setaffinity(0, cores)
+
     return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *argv, "--json"], stdout=subprocess.PIPE,
                             stderr=None, text=True, env=env if env is not None else os.environ.copy(),
-                            start_new_session=True, preexec_fn=_terminate_with_parent)
+                            start_new_session=True, preexec_fn=before_exec)
 
 
 def _record(services: LocalServices, name: str, announcement: dict) -> None:

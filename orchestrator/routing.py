@@ -28,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from disco.errors import Unavailable
 from protos.runtime import CHANNEL_OPTIONS
+from orchestrator.latency import with_added_latency
 from protos.security import TlsFiles, secure_channel
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,8 @@ class ReplicaSet:
 
     #: TLS material of the channels to the replicas (``None``: plaintext); set before the first request.
     tls: TlsFiles | None = None
+    #: Seconds added to every call to a replica (benchmarks: :mod:`orchestrator.latency`).
+    added_rtt_s: float = 0.0
 
     def __init__(self, role: str, resolver: Resolver, recovery_timeout_s: float = RECOVERY_TIMEOUT_S) -> None:
         self.role = role
@@ -220,7 +223,7 @@ class ReplicaSet:
         try:
             address = self.resolver.wait_address(self.role, replica.name, self.recovery_timeout_s)
             # NOTE: always a fresh channel: the old one may sit in reconnect backoff.
-            channel = secure_channel(address, self.tls, CHANNEL_OPTIONS)
+            channel = self._channel(address)
             _check_serving(channel)
         except Exception as error:  # noqa: BLE001 - any failure leaves the replica out of rotation
             logger.warning("%s replica %s is not back: %s", self.role, replica.name, error)
@@ -244,7 +247,10 @@ class ReplicaSet:
         if self._replicas:
             return
         for name, address in sorted(self.resolver.replicas(self.role).items()):
-            self._replicas[name] = Replica(name, address, secure_channel(address, self.tls, CHANNEL_OPTIONS))
+            self._replicas[name] = Replica(name, address, self._channel(address))
+
+    def _channel(self, address: str) -> grpc.Channel:
+        return with_added_latency(secure_channel(address, self.tls, CHANNEL_OPTIONS), self.added_rtt_s)
 
     def _none_message(self) -> str:
         if not self._replicas:

@@ -51,7 +51,7 @@ def load_tokenizer(spec: str | None, home: Path) -> PreTrainedTokenizerBase:
 def serve(tokenizer: PreTrainedTokenizerBase, draft_address: str | ReplicaSet, target_address: str | ReplicaSet, *,
           host: str = "127.0.0.1", port: int = 0, limits: OrchestratorLimits = OrchestratorLimits(),
           tls: TlsFiles | None = None, require_client_cert: bool = False, auth_token: str | None = None,
-          metrics_port: int | None = None) -> RunningServer:
+          metrics_port: int | None = None, added_rtt_s: float = 0.0) -> RunningServer:
     """Start the public ``disco.v1.Orchestrator`` service; returns at once.
 
     The backends need not be up yet: each request reaches them when it runs (and gets
@@ -74,7 +74,7 @@ def serve(tokenizer: PreTrainedTokenizerBase, draft_address: str | ReplicaSet, t
     Raises:
         DiscoError: the address cannot be bound.
     """
-    backends = Backends(draft_address, target_address, tokenizer_hash(tokenizer), tls=tls)
+    backends = Backends(draft_address, target_address, tokenizer_hash(tokenizer), tls=tls, added_rtt_s=added_rtt_s)
     metrics = OrchestratorMetrics(tokenizer.name_or_path)
     servicer = OrchestratorServicer(tokenizer, backends, limits, metrics)
     serving_tls = tls if tls is not None and tls.cert is not None else None

@@ -103,3 +103,42 @@ def test_bench_puts_overlap_off_and_on_side_by_side(tiny_pair_dirs, tiny_dataset
         assert row["identical"] == 1.0, (policy, transport)  # float32: overlap changes no token
     assert rows[("static:3", "local")]["overlap_hit_rate"] is None  # nothing pre-drafted without overlap
     assert rows[("static:3", "local+overlap")]["overlap_hit_rate"] is not None
+
+
+def test_grpc_bench_runs_one_service_set_per_overlap_mode_pinned_with_added_rtt(tiny_pair_dirs, tiny_dataset,
+                                                                                tmp_path):
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--target", str(tiny_pair_dirs["target"]), "--draft", str(tiny_pair_dirs["draft"]),
+                 "--dtype", "float32", "--dataset", str(tiny_dataset), "--max-new-tokens", "8",
+                 "--policies", "static:3", "--transport", "grpc", "--overlap", "off,on", "--pin-services",
+                 "--added-rtt-ms", "5", "--json-out", str(out)])
+    assert code == 0
+    payload = json.loads(out.read_text())
+    rows = {(r["policy"], r["transport"]): r for r in payload["rows"]}
+    assert set(rows) == {("none", "grpc"), ("static:3", "grpc"), ("none", "grpc+overlap"),
+                         ("static:3", "grpc+overlap")}
+    assert all(row["identical"] == 1.0 for row in rows.values())
+    assert rows[("static:3", "grpc+overlap")]["overlap"] and not rows[("static:3", "grpc")]["overlap"]
+    assert payload["env"]["pin_services"] and payload["env"]["added_rtt_ms"] == 5
+
+
+def test_split_cores_gives_target_and_draft_disjoint_halves():
+    from orchestrator.launcher import split_cores
+
+    assert split_cores([0, 1]) == {"target": {0}, "draft": {1}}
+    assert split_cores([0, 1, 2, 3, 4]) == {"target": {0, 1, 2}, "draft": {3, 4}}
+    assert split_cores([7]) == {"target": {7}, "draft": {7}}
+
+
+def test_added_latency_delays_every_call_to_the_backends():
+    import time
+
+    from orchestrator.latency import AddedLatency, with_added_latency
+
+    sentinel = object()
+    assert with_added_latency(sentinel, 0) is sentinel
+    interceptor = AddedLatency(0.05)
+    started = time.perf_counter()
+    assert interceptor.intercept_unary_unary(lambda details, request: request, None, "ok") == "ok"
+    assert interceptor.intercept_unary_stream(lambda details, request: [request], None, "x") == ["x"]
+    assert time.perf_counter() - started >= 0.1

@@ -304,7 +304,7 @@ def test_launch_passes_overlap_to_the_draft_child_only(monkeypatch):
 
     spawned: list[list[str]] = []
 
-    def spawn(argv, env=None):
+    def spawn(argv, env=None, cores=None):
         spawned.append(argv)
         return argv[0]
 

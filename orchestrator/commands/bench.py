@@ -27,7 +27,12 @@ def register(subparsers) -> None:
     parser.add_argument("--overlap", default="off", choices=["off", "on", "off,on"],
                         help="the draft engine pre-drafts the next block during verification (docs/overlap.md); "
                              "off,on: both side by side in one run (local: transport rows local and "
-                             "local+overlap; grpc: the services started here run one mode, the first given)")
+                             "local+overlap; grpc: one set of services per mode, rows grpc and grpc+overlap)")
+    parser.add_argument("--pin-services", action="store_true",
+                        help="grpc: run the target and the draft service on disjoint halves of the CPUs (threads "
+                             "to match): two devices on one machine (docs/overlap.md)")
+    parser.add_argument("--added-rtt-ms", type=float, default=0.0,
+                        help="grpc: add this round trip to every call between the orchestrator and the services")
     parser.add_argument("--server", default=None, metavar="HOST:PORT",
                         help="grpc transport: use this orchestrator instead of starting the services here")
     parser.add_argument("--peer", choices=["hf", "llamacpp"], default=None,
@@ -71,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     home = disco_home()
     llamacpp_settings = _llamacpp_settings(args, pair, home) if args.peer == "llamacpp" else None
 
-    runners, peer, services, client = {}, None, None, None
+    runners, peer, services, clients = {}, None, [], []
     tokenizer, loaded, costs = None, None, None
     engine = pair.target.dtype  # --dtype auto resolved; a remote --server reports its own below
     draft_engine = pair.draft.dtype
@@ -95,14 +100,21 @@ def run(args: argparse.Namespace) -> int:
         if args.transport in ("grpc", "both"):
             from orchestrator.client import DiscoClient  # noqa: PLC0415
 
-            address = args.server
-            if address is None:
+            if args.server is None:  # one set of services per --overlap mode, side by side
                 from orchestrator.launcher import launch  # noqa: PLC0415
 
-                services = launch(pair)
-                address = services.addresses["orchestrator"]
-            client = DiscoClient(address, timeout=3600)
-            runners["grpc"] = transports.GrpcRunner(client)
+                for mode in args.overlap.split(","):
+                    started = launch(pair, overlap=mode == "on", pin_cores=args.pin_services,
+                                     added_rtt_ms=args.added_rtt_ms)
+                    services.append(started)
+                    client = DiscoClient(started.addresses["orchestrator"], timeout=3600)
+                    clients.append(client)
+                    name = "grpc" if mode == "off" else f"grpc{runner.OVERLAP_SUFFIX}"
+                    runners[name] = transports.GrpcRunner(client)
+            else:
+                client = DiscoClient(args.server, timeout=3600)
+                clients.append(client)
+                runners["grpc"] = transports.GrpcRunner(client)
             if args.server:
                 models = client.info()["models"]
                 engine = (models.get("target") or {}).get("dtype") or "unknown"
@@ -118,10 +130,10 @@ def run(args: argparse.Namespace) -> int:
                                     repeats=args.repeats, warmup=not args.no_warmup)
         result = runner.run_matrix(config, prompts, runners, peer)
     finally:
-        if client is not None:
+        for client in clients:
             client.close()
-        if services is not None:
-            services.stop()
+        for started in services:
+            started.stop()
 
     rows = runner.summarize(result)
     llamacpp_env = None
@@ -134,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
         # `disco ...` however it was started (the script or `python -m orchestrator.cli`)
         "command": " ".join(["disco", *(shlex.quote(a) for a in sys.argv[1:])]),
         "dataset": dataset.name, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-        "dtype": engine, "engine": engine, "draft_engine": draft_engine, "dtype_requested": args.dtype, "engine_costs": costs,
+        "dtype": engine, "engine": engine, "draft_engine": draft_engine, "dtype_requested": args.dtype,
+        "overlap": args.overlap, "pin_services": args.pin_services, "added_rtt_ms": args.added_rtt_ms, "engine_costs": costs,
         "device": args.device, "target": pair.target.spec or "default",
         "draft": pair.draft.spec or "default", "interrupted": result.interrupted, "llamacpp": llamacpp_env})
     print(report.markdown_table(rows))

@@ -67,6 +67,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_listen_args(parser, PORTS["orchestrator"])
     add_operations_args(parser)
     add_server_security_args(parser, orchestrator=True)
+    parser.add_argument("--added-rtt-ms", type=float, default=0.0,
+                        help="benchmarks: delay every call to the draft and target services by this many ms "
+                             "(services on different nodes, on one machine)")
     parser.set_defaults(func=_run_orchestrator)
 
     parser = subparsers.add_parser(
@@ -184,7 +187,7 @@ def _run_orchestrator(args: argparse.Namespace) -> int:
                                 max_prompt_tokens=args.max_prompt_tokens)
     running = serve(tokenizer, args.draft, args.target, host=args.host, port=args.port, limits=limits, tls=tls,
                     require_client_cert=args.tls_require_client_cert, auth_token=token,
-                    metrics_port=args.metrics_port)
+                    metrics_port=args.metrics_port, added_rtt_s=args.added_rtt_ms / 1000)
     _warn_if_exposed(args.host, running.tls, token)
     _announce("orchestrator", running.address, tokenizer.name_or_path, args.json, running.metrics_address)
     serve_until_signal([running])
