@@ -23,6 +23,7 @@ from contextvars import ContextVar
 from typing import Callable, Iterator, Sequence
 
 import torch
+from torch import nn
 
 #: A prefill block of at least this many tokens runs as a float32 GEMM.
 DENSE_MIN_ROWS = 48
@@ -76,3 +77,31 @@ def chunked_gemm(rows: torch.Tensor,  # [n, in_features], any float dtype
         end = min(start + DENSE_CHUNK, out_features)
         out[:, start:end] = inputs @ weight_slice(start, end).T
     return out
+
+
+class WeightOnlyLinear(nn.Module):
+    """The forward the weight-only linears share: flatten the leading dimensions, send
+    prefill spans to :meth:`_dense` and the other rows to :meth:`_quantized`, add the bias.
+    Subclasses set ``in_features``, ``out_features``, ``bias`` and :attr:`compute_dtype`."""
+
+    in_features: int
+    out_features: int
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features]
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"expected {self.in_features} input features, got {x.shape[-1]}")
+        rows = x.reshape(-1, self.in_features).to(self.compute_dtype).contiguous()  # [rows, in_features]
+        out = split_rows(rows, self._quantized, self._dense)  # [rows, out_features]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _quantized(self, rows: torch.Tensor) -> torch.Tensor:  # [n, in_features] -> [n, out_features]
+        raise NotImplementedError
+
+    def _dense(self, rows: torch.Tensor) -> torch.Tensor:  # [n, in_features] -> [n, out_features]
+        raise NotImplementedError

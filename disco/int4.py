@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from disco.dense_prefill import chunked_gemm, split_rows
+from disco.dense_prefill import WeightOnlyLinear, chunked_gemm
 
 #: Input features per quantization group (the kernel takes 32, 64, 128 or 256).
 GROUP_SIZE = 64
@@ -46,7 +46,7 @@ def int4_fits(module: nn.Linear) -> bool:
     return group_size_for(module.in_features) is not None and module.out_features % _OUT_MULTIPLE == 0
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(WeightOnlyLinear):
     """A linear layer with group-wise int4 weights and bf16 activations.
 
     Buffers: ``packed`` uint8 ``[out_features, in_features // 2]`` (the kernel's layout),
@@ -82,16 +82,11 @@ class Int4Linear(nn.Module):
             module.bias = bias.detach().to(dtype).clone()
         return module
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features]
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"expected {self.in_features} input features, got {x.shape[-1]}")
-        rows = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype).contiguous()  # [rows, in_features]
-        out = split_rows(rows, self._int4, self._dense)  # [rows, out_features]
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.scales_and_zeros.dtype
 
-    def _int4(self, rows: torch.Tensor) -> torch.Tensor:  # rows: [n, in_features] -> [n, out_features]
+    def _quantized(self, rows: torch.Tensor) -> torch.Tensor:  # rows: [n, in_features] -> [n, out_features]
         return torch._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_and_zeros)
 
     def _dense(self, rows: torch.Tensor) -> torch.Tensor:  # rows: [n, in_features] -> [n, out_features]

@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from disco.dense_prefill import chunked_gemm, split_rows
+from disco.dense_prefill import WeightOnlyLinear, chunked_gemm
 from disco.int4 import GROUP_SIZE, Int4Linear, int4_fits
 
 #: Version of the quantized format per engine (the cache is keyed by it).
@@ -52,7 +52,7 @@ _CHUNK_ROWS = 8192  # rows quantized at once (bounds the float32 copy of a 150k-
 _OP = "aten::_weight_int8pack_mm"
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(WeightOnlyLinear):
     """A linear layer with int8 weights (per-output-channel scales) and floating activations.
 
     Buffers: ``weight`` int8 ``[out_features, in_features]``, ``scales``
@@ -82,16 +82,11 @@ class Int8Linear(nn.Module):
             module.bias = bias.detach().to(dtype).clone()
         return module
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features]
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"expected {self.in_features} input features, got {x.shape[-1]}")
-        rows = x.reshape(-1, self.in_features).to(self.scales.dtype).contiguous()  # [rows, in_features]
-        out = split_rows(rows, self._int8, self._dense)  # [rows, out_features]
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.scales.dtype
 
-    def _int8(self, rows: torch.Tensor) -> torch.Tensor:  # rows: [n, in_features] -> [n, out_features]
+    def _quantized(self, rows: torch.Tensor) -> torch.Tensor:  # rows: [n, in_features] -> [n, out_features]
         if rows.device.type == "cpu" or torch._C._dispatch_has_kernel_for_dispatch_key(
                 _OP, rows.device.type.upper()):
             return torch._weight_int8pack_mm(rows, self.weight, self.scales)
