@@ -83,7 +83,7 @@ def build_local_pipeline(pair: PairConfig, home: Path, need_draft: bool = True,
         draft = load_model(pair.draft, "draft", home)
         check_same_vocabulary(target, draft)
     costs = _measured_costs(pair, target, draft, home) if measure_costs and draft is not None else None
-    drafter = DraftEngine(draft.model, PolicyFactory(default_learned_loader(draft)), overlap=overlap) if draft else None
+    drafter = _drafter(draft, overlap) if draft else None
     generator = SpeculativeGenerator(
         drafter=drafter,
         verifier=TargetEngine(target.model),
@@ -110,8 +110,12 @@ def with_overlap(pipeline: LocalPipeline, overlap: bool) -> SpeculativeGenerator
     """A generator on the same models and target engine whose draft engine pre-drafts
     (``overlap``) or not: both modes side by side in one process (``disco bench --overlap off,on``)."""
     base = pipeline.generator
-    drafter = (DraftEngine(pipeline.draft.model, PolicyFactory(default_learned_loader(pipeline.draft)), overlap=overlap)
-               if pipeline.draft is not None else None)
+    drafter = _drafter(pipeline.draft, overlap) if pipeline.draft is not None else None
     return SpeculativeGenerator(drafter=drafter, verifier=base.verifier, decode=base.decode,
                                 eos_token_ids=base.eos_token_ids, max_new_tokens_limit=base.max_new_tokens_limit,
                                 costs=base.costs)
+
+
+def _drafter(draft: LoadedModel, overlap: bool) -> DraftEngine:
+    """The draft engine over ``draft`` with the learned policies its artifacts allow."""
+    return DraftEngine(draft.model, PolicyFactory(default_learned_loader(draft)), overlap=overlap)

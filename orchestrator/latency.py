@@ -20,21 +20,13 @@ class AddedLatency(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInter
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
 
-    def intercept_unary_unary(self, continuation, client_call_details, request):
+    def _delayed(self, continuation, client_call_details, request_or_iterator):
         time.sleep(self.seconds)
-        return continuation(client_call_details, request)
+        return continuation(client_call_details, request_or_iterator)
 
-    def intercept_unary_stream(self, continuation, client_call_details, request):
-        time.sleep(self.seconds)
-        return continuation(client_call_details, request)
-
-    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
-        time.sleep(self.seconds)
-        return continuation(client_call_details, request_iterator)
-
-    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
-        time.sleep(self.seconds)
-        return continuation(client_call_details, request_iterator)
+    # One delay per call, whatever its shape.
+    intercept_unary_unary = intercept_unary_stream = _delayed
+    intercept_stream_unary = intercept_stream_stream = _delayed
 
 
 def with_added_latency(channel: grpc.Channel, seconds: float) -> grpc.Channel:
