@@ -85,10 +85,12 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class SpeculationConfig:
-    """Per-request speculation settings: which stop policy, and the lookahead cap."""
+    """Per-request speculation settings: which stop policy, the lookahead cap, and whether
+    the draft side pre-drafts during verification (overlap)."""
 
     policy: str = "auto"  # the default everywhere (CLI, services, client): see disco.policies.auto
     max_lookahead: int = DEFAULT_MAX_LOOKAHEAD
+    overlap: bool | None = None  # overlapped drafting for this request; None: the draft service's setting
 
     def validate(self) -> None:
         if not 1 <= self.max_lookahead <= MAX_LOOKAHEAD_LIMIT:

@@ -37,6 +37,7 @@ class DraftSession:
     block_base: int = 0  # sequence length before the block awaiting feedback
     block_size: int = 0  # draft tokens handed out in that block
     awaiting_feedback: bool = False
+    overlap: bool = False  # pre-draft the next block while this one is verified
     predraft: Predraft | None = None  # the next block, drafted in the background (overlap)
     closed: bool = False  # ended: no pre-draft may start any more
     predraft_guard: threading.Lock = field(default_factory=threading.Lock)  # predraft/closed vs end_session
@@ -67,7 +68,8 @@ class DraftEngine:
         max_batch: int = 16,
         overlap: bool = False,
     ) -> None:
-        """``overlap``: pre-draft the next block while the last one is verified."""
+        """``overlap``: pre-draft the next block while the last one is verified (the
+        default of sessions whose request does not say)."""
         self.model = model
         self.overlap = overlap
         self.policy_factory = policy_factory
@@ -83,6 +85,7 @@ class DraftEngine:
         sampling: SamplingParams,
         policy_spec: str,
         reference_ids: Sequence[int] | None = None,
+        overlap: bool | None = None,
     ) -> PrefillResult:
         started = time.perf_counter_ns()
         if not prompt_ids:
@@ -102,6 +105,7 @@ class DraftEngine:
             policy=policy,
             sampling=sampling,
             generator=make_generator(sampling.seed),
+            overlap=self.overlap if overlap is None else overlap,
         )
         self.batcher.prefill(session.sequence)  # batched with concurrent prefills
         self.sessions.add(session_id, session)
@@ -244,7 +248,7 @@ class DraftEngine:
 
     def _start_predraft(self, session: DraftSession, session_id: str, max_lookahead: int) -> None:
         """Overlap: draft the next block in the background while this one is verified."""
-        if not self.overlap or max_lookahead == 0 or not can_predraft(session.policy):
+        if not session.overlap or max_lookahead == 0 or not can_predraft(session.policy):
             return
         room = self.max_context - len(session.sequence) - 1  # the guess takes one position
         predraft = Predraft(session.sequence, session.policy, session.generator, session.block_size, max_lookahead,

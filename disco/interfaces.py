@@ -86,9 +86,12 @@ class Drafter(Protocol):
         sampling: SamplingParams,
         policy_spec: str,
         reference_ids: Sequence[int] | None = None,
+        overlap: bool | None = None,
     ) -> PrefillResult:
         """Create a session and prefill the prompt. ``reference_ids`` is the target's
-        own greedy continuation; only the analysis-only ``oracle`` policy uses it."""
+        own greedy continuation; only the analysis-only ``oracle`` policy uses it.
+        ``overlap``: pre-draft this session's next blocks during verification (``None``:
+        the drafter's own setting)."""
         ...
 
     def draft(

@@ -144,7 +144,7 @@ class SpeculativeGenerator:
             if uses_draft:
                 assert self.drafter is not None
                 sessions_started.append(self.drafter)
-                uses_draft = self._start_draft(session_id, prompt_ids, draft_sampling, speculation.policy,
+                uses_draft = self._start_draft(session_id, prompt_ids, draft_sampling, speculation,
                                                reference_ids, stats)
             stats.prefill_s = time.perf_counter() - started
             feedback: Feedback | None = None
@@ -165,7 +165,7 @@ class SpeculativeGenerator:
                         draft_ids.clear(), draft_probs.clear()
                         uses_draft = self._start_draft(session_id, prompt_ids + generated,
                                                        draft_sampling.resumed_after(len(generated)),
-                                                       speculation.policy, None, stats)
+                                                       speculation, None, stats)
                         if uses_draft:
                             self._draft_block(session_id, None, lookahead_cap, draft_ids, draft_probs, stats)
                     except Unavailable as error:
@@ -220,11 +220,12 @@ class SpeculativeGenerator:
 
     # -- draft side helpers: a failing draft service never fails the request ------------
 
-    def _start_draft(self, session_id: str, token_ids: list[int], sampling: SamplingParams, policy: str,
-                     reference_ids: list[int] | None, stats: RequestStats) -> bool:
+    def _start_draft(self, session_id: str, token_ids: list[int], sampling: SamplingParams,
+                     speculation: SpeculationConfig, reference_ids: list[int] | None, stats: RequestStats) -> bool:
         """Start (or re-start) the draft session; False means: go on target-only."""
         try:
-            self.drafter.start_session(session_id, token_ids, sampling, policy, reference_ids)
+            self.drafter.start_session(session_id, token_ids, sampling, speculation.policy, reference_ids,
+                                       overlap=speculation.overlap)
             return True
         except Unavailable as error:
             return self._draft_failed(session_id, error, stats)

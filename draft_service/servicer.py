@@ -49,7 +49,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         convert.check_token_ids(request.reference_ids, self.loaded.vocab_size, "reference_ids")
         result = self.engine.start_session(
             request.session_id, list(request.prompt_ids), convert.sampling_from_pb(request.sampling),
-            request.policy, list(request.reference_ids) or None)
+            request.policy, list(request.reference_ids) or None,
+            overlap=request.overlap if request.HasField("overlap") else None)
         self.metrics.prompt_tokens.inc(result.prompt_tokens)
         return convert.prefill_to_pb(result)
 

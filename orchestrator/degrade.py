@@ -57,7 +57,8 @@ class UnreachableDrafter:
         self.error = error
 
     def start_session(self, session_id: str, prompt_ids: Sequence[int], sampling: SamplingParams,
-                      policy_spec: str, reference_ids: Sequence[int] | None = None) -> PrefillResult:
+                      policy_spec: str, reference_ids: Sequence[int] | None = None,
+                      overlap: bool | None = None) -> PrefillResult:
         raise self.error
 
     def draft(self, session_id: str, feedback: Feedback | None, max_lookahead: int) -> Iterator[DraftEvent]:
@@ -75,9 +76,11 @@ class DegradingDrafter:
         self.drafter = drafter
 
     def start_session(self, session_id: str, prompt_ids: Sequence[int], sampling: SamplingParams,
-                      policy_spec: str, reference_ids: Sequence[int] | None = None) -> PrefillResult:
+                      policy_spec: str, reference_ids: Sequence[int] | None = None,
+                      overlap: bool | None = None) -> PrefillResult:
         with as_draft_unavailable():
-            return self.drafter.start_session(session_id, prompt_ids, sampling, policy_spec, reference_ids)
+            return self.drafter.start_session(session_id, prompt_ids, sampling, policy_spec, reference_ids,
+                                              overlap=overlap)
 
     def draft(self, session_id: str, feedback: Feedback | None, max_lookahead: int) -> Iterator[DraftEvent]:
         with as_draft_unavailable():

@@ -165,6 +165,7 @@ class FailoverDrafter(_StickySession):
     _sampling: SamplingParams
     _policy_spec: str
     _reference_ids: list[int] | None
+    _overlap: bool | None
 
     def _make_client(self, replica: Replica) -> RemoteDrafter:
         return RemoteDrafter(replica.channel, replica.address, self.scope)
@@ -173,14 +174,15 @@ class FailoverDrafter(_StickySession):
         done = len(self.track.generated)
         sampling = self._sampling.resumed_after(done)
         return client.start_session(backend_id, self.track.committed(), sampling, self._policy_spec,
-                                    self._reference_ids if not done else None)
+                                    self._reference_ids if not done else None, overlap=self._overlap)
 
     def start_session(self, session_id: str, prompt_ids: Sequence[int], sampling: SamplingParams,
-                      policy_spec: str, reference_ids: Sequence[int] | None = None) -> PrefillResult:
+                      policy_spec: str, reference_ids: Sequence[int] | None = None,
+                      overlap: bool | None = None) -> PrefillResult:
         # NOTE: the session is created from the verifier's SessionTrack, which holds these
         # prompt ids (a first start follows the target's; a re-start passes the committed ones).
         self._restart(session_id)
-        self._sampling, self._policy_spec = sampling, policy_spec
+        self._sampling, self._policy_spec, self._overlap = sampling, policy_spec, overlap
         self._reference_ids = list(reference_ids) if reference_ids is not None else None
         if self.track.committed() != list(prompt_ids):
             self.track.prompt_ids, self.track.generated = list(prompt_ids), []

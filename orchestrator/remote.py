@@ -114,10 +114,11 @@ class RemoteDrafter:
         self._scope = scope or CallScope()
 
     def start_session(self, session_id: str, prompt_ids: Sequence[int], sampling: SamplingParams,
-                      policy_spec: str, reference_ids: Sequence[int] | None = None) -> PrefillResult:
+                      policy_spec: str, reference_ids: Sequence[int] | None = None,
+                      overlap: bool | None = None) -> PrefillResult:
         request = draft_pb2.StartDraftSessionRequest(
             session_id=session_id, prompt_ids=list(prompt_ids), sampling=convert.sampling_to_pb(sampling),
-            policy=policy_spec, reference_ids=list(reference_ids or ()))
+            policy=policy_spec, reference_ids=list(reference_ids or ()), overlap=overlap)
         response = self._scope.call(lambda timeout: self._stub.StartSession(request, timeout=timeout),
                                     self._service)
         return convert.prefill_from_pb(response)

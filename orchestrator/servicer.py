@@ -130,7 +130,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     def _parse(self, request: orchestrator_pb2.GenerateRequest) -> tuple[list[int], SamplingParams, SpeculationConfig]:
         speculation = SpeculationConfig(
             policy=request.policy or DEFAULT_POLICY,
-            max_lookahead=request.max_lookahead if request.HasField("max_lookahead") else DEFAULT_MAX_LOOKAHEAD)
+            max_lookahead=request.max_lookahead if request.HasField("max_lookahead") else DEFAULT_MAX_LOOKAHEAD,
+            overlap=request.overlap if request.HasField("overlap") else None)
         name = parse_policy_spec(speculation.policy).name
         if name in IN_PROCESS_ONLY:
             raise InvalidRequest(f"policy {name!r} is for analysis in process only (`disco generate` without "

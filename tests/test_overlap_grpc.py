@@ -160,6 +160,31 @@ def test_own_draft_hits_and_the_counts_reach_stats_and_metrics(stacks, reference
         assert sample_value(orch_after, orch_name) - sample_value(orch_before, orch_name) == stats[key], key
 
 
+def test_the_request_turns_overlap_off_and_on(stacks, reference, drafts, tokenizer):
+    """``GenerateRequest.overlap`` overrides the draft service's setting per request."""
+    stack = stacks["same"]
+    result = stack.client.generate(PROMPTS[0], policy="static:4", max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                                   overlap=False)
+    assert result.token_ids == reference(PROMPTS[0])
+    assert all(result.stats[name] == 0 for name in OVERLAP_STATS), result.stats
+    # A draft service started without overlap pre-drafts for a request that asks for it.
+    plain = draft_service.server.serve(loaded(drafts["same"], tokenizer, "tiny-plain-same"))
+    stack.patient.drafts.append(plain.servicers[0].engine)
+    orchestrator = start_orchestrator(tokenizer, plain.address, stack.target.address)
+    try:
+        with DiscoClient(orchestrator.address, timeout=CLIENT_TIMEOUT_S) as client:
+            default = client.generate(PROMPTS[0], policy="static:4", max_new_tokens=NEW_TOKENS, ignore_eos=True)
+            asked = client.generate(PROMPTS[0], policy="static:4", max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                                    overlap=True)
+        assert default.token_ids == asked.token_ids == reference(PROMPTS[0])
+        assert all(default.stats[name] == 0 for name in OVERLAP_STATS), default.stats
+        assert asked.stats["overlap_hits"] > 0 and asked.stats["predrafted_used"] > 0, asked.stats
+    finally:
+        stack.patient.drafts.remove(plain.servicers[0].engine)
+        orchestrator.stop(0)
+        plain.stop(0)
+
+
 def test_info_reports_overlap(stacks, target_model, drafts, tokenizer):
     info = stacks["noisy"].client.info()
     assert info["models"]["draft"]["overlap"] is True and info["models"]["target"]["overlap"] is False

@@ -49,9 +49,10 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser("generate", help="generate one completion with speculative decoding")
     parser.add_argument("--prompt", required=True, help="prompt text (raw completion unless --chat)")
     parser.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
-    parser.add_argument("--overlap", choices=["off", "on"], default="off",
-                        help="in process: the draft pre-drafts the next block while the target verifies "
-                             "(docs/overlap.md; with --server the draft service decides)")
+    parser.add_argument("--overlap", choices=["off", "on"], default=None,
+                        help="overlapped drafting: pre-draft the next block while the target verifies "
+                             "(docs/overlap.md; default off in process; with --server it is sent with the request, "
+                             "and absent the draft service's setting applies)")
     parser.add_argument("--json", action="store_true",
                         help="print exactly one JSON object {token_ids, text, stats} instead of streaming")
     parser.add_argument("--server", default=None, metavar="HOST:PORT",
@@ -104,7 +105,8 @@ def _run_remote(args: argparse.Namespace, sampling: SamplingParams, speculation:
     request = dict(policy=speculation.policy, max_new_tokens=sampling.max_new_tokens,
                    max_lookahead=speculation.max_lookahead, temperature=sampling.temperature,
                    top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed, stop=list(sampling.stop),
-                   ignore_eos=sampling.ignore_eos, chat=args.chat)
+                   ignore_eos=sampling.ignore_eos, chat=args.chat,
+                   overlap=None if args.overlap is None else args.overlap == "on")
     try:
         client = client_from_args(args, timeout=DEFAULT_TIMEOUT_S)
         if args.json:

@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StartDraftSessionRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "sampling", "policy", "reference_ids")
+    __slots__ = ("session_id", "prompt_ids", "sampling", "policy", "reference_ids", "overlap")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     policy: str
     reference_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., policy: _Optional[str] = ..., reference_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    overlap: bool
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., policy: _Optional[str] = ..., reference_ids: _Optional[_Iterable[int]] = ..., overlap: _Optional[bool] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("session_id", "feedback", "max_lookahead")
