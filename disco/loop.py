@@ -25,7 +25,7 @@ from disco.detokenize import Decode, IncrementalDetokenizer
 from disco.errors import InvalidRequest, SessionNotFound, Unavailable
 from disco.interfaces import DraftSummary, Drafter, Feedback, Verifier
 from disco.policies import parse_policy_spec
-from disco.policies.auto import encode_costs, speculation_pays
+from disco.policies.auto import speculation_pays, with_costs
 from disco.stats import RequestStats
 
 
@@ -72,8 +72,9 @@ class SpeculativeGenerator:
         max_new_tokens_limit: int | None = None,
         costs: CostModel | None = None,
     ) -> None:
-        """``costs``: the measured engine costs of this deployment; the ``auto`` policy
-        reads them (without them ``auto`` is plain DISCO)."""
+        """``costs``: the measured engine costs of this deployment; ``auto`` and ``disco:``
+        policies read them (:func:`disco.policies.auto.with_costs`; without them both are
+        DISCO at the artifact's tuned threshold)."""
         self.drafter = drafter
         self.verifier = verifier
         self.decode = decode
@@ -110,7 +111,9 @@ class SpeculativeGenerator:
         spec = parse_policy_spec(speculation.policy)
         if spec.name == "auto" and not spec.argument:
             speculation = dataclasses.replace(speculation, policy=self.resolve_auto(speculation.max_lookahead))
-            spec = parse_policy_spec(speculation.policy)
+        else:
+            speculation = dataclasses.replace(speculation, policy=with_costs(speculation.policy, self.costs))
+        spec = parse_policy_spec(speculation.policy)
         reference_ids = None
         if spec.name == "oracle":  # analysis only: the target's own output first
             reference_ids = self.generate(
@@ -124,7 +127,7 @@ class SpeculativeGenerator:
             return "auto"
         if self.drafter is None or not speculation_pays(self.costs, max_lookahead):
             return "none"
-        return f"auto:{encode_costs(self.costs)}"
+        return with_costs("auto", self.costs)
 
     def _run(self, prompt_ids: list[int], sampling: SamplingParams, speculation: SpeculationConfig,
              uses_draft: bool, reference_ids: list[int] | None) -> Iterator[GenerationEvent]:

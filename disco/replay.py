@@ -32,7 +32,7 @@ from disco.cost_model import CostModel
 from disco.errors import InvalidRequest
 from disco.oracle_records import OracleRecord, RecordSet
 from disco.policies import Decision, PolicyFactory, StopPolicy, parse_policy_spec
-from disco.policies.auto import encode_costs
+from disco.policies.auto import with_costs
 from disco.policies.simple import OraclePolicy
 from disco.signals import TokenSignals
 from disco.stats import RequestStats
@@ -242,12 +242,6 @@ def replay_report(records: RecordSet, policies: Iterable[str], cost: CostModel,
                         "target": records.meta.get("target"), "draft": records.meta.get("draft")},
             "max_lookahead": max_lookahead, "honor_eos": honor_eos,
             "target_only_seconds": round(baseline, 4), "rows": rows}
-
-
-def with_costs(spec: str, cost: CostModel) -> str:
-    """A bare ``auto`` replays as the loop would run it: carrying the replay's cost model
-    (:func:`disco.policies.auto.encode_costs`); any other spec is returned unchanged."""
-    return f"auto:{encode_costs(cost)}" if spec == "auto" else spec
 
 
 _RANGE = re.compile(r"^(static|heuristic):(\d+)-(\d+)$")

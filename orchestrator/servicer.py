@@ -23,7 +23,7 @@ from disco.config import DEFAULT_MAX_LOOKAHEAD, MAX_LOOKAHEAD_LIMIT, SamplingPar
 from disco.errors import DiscoError, InvalidRequest, ResourceExhausted
 from disco.loop import GenerationEvent, GenerationResult, SpeculativeGenerator, TokenChunk
 from disco.pipeline import encode_prompt, make_decode
-from disco.policies import POLICY_INFOS, parse_policy_spec
+from disco.policies import POLICY_INFOS, parse_policy_spec, reads_costs
 from orchestrator.backends import Backends
 from orchestrator.degrade import DegradingDrafter, UnreachableDrafter, draft_check
 from orchestrator.failover import FailoverDrafter, FailoverVerifier
@@ -123,7 +123,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             drafter = UnreachableDrafter(draft_down) if draft_down else DegradingDrafter(sticky_drafter)
             generator = SpeculativeGenerator(drafter, verifier, self._locked_decode, target.eos_token_ids,
                                              self.limits.max_new_tokens,
-                                             costs=self.backends.costs() if speculation.policy == "auto" else None)
+                                             costs=self.backends.costs() if reads_costs(speculation.policy) else None)
             events = generator.stream(prompt_ids, sampling, speculation)
             yield from self.metrics.observe(_with_failovers(events, sticky_drafter, verifier))
 

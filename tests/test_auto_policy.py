@@ -118,7 +118,9 @@ def test_auto_over_grpc_reads_the_costs_the_services_report(target_model, drafts
         with DiscoClient(orchestrator.address, timeout=CLIENT_TIMEOUT_S) as client:
             reference = client.generate(PROMPTS[0], policy="none", max_new_tokens=16, ignore_eos=True)
             result = client.generate(PROMPTS[0], policy="auto", max_new_tokens=16, ignore_eos=True)
-        assert result.token_ids == reference.token_ids
+            disco = client.generate(PROMPTS[0], policy="disco:default", max_new_tokens=16, ignore_eos=True)
+        assert result.token_ids == reference.token_ids == disco.token_ids
+        assert disco.stats["draft_tokens"] > 0  # disco:PATH never falls back to target-only
         assert (result.stats["draft_tokens"] > 0) == should_draft
         model = orchestrator.servicers[0].backends.costs()
         assert model.t_verify == pytest.approx(costs.t_verify) and model.t_draft == pytest.approx(costs.t_draft)
@@ -136,3 +138,59 @@ def test_auto_falls_back_to_confidence_where_the_artifact_does_not_fit():
     for factory in (PolicyFactory(), PolicyFactory(make_learned_loader("not-this-draft", "not-this-tokenizer"))):
         policy = factory.build(f"auto:{encode_costs(INT8_AVX2)}")
         assert isinstance(policy, AutoPolicy) and isinstance(policy.disco, ConfidencePolicy)
+
+
+# -- disco:PATH with the deployment's costs ------------------------------------------------
+
+def test_disco_specs_take_costs_or_tuned():
+    from disco.policies import reads_costs, with_costs  # noqa: PLC0415
+    from disco.policies.learned import DiscoPolicy  # noqa: PLC0415
+
+    spec = with_costs("disco:default", INT8_AVX2)
+    assert spec == f"disco:default@{encode_costs(INT8_AVX2)}" and not reads_costs(spec)
+    assert with_costs("auto", INT8_AVX2) == f"auto:{encode_costs(INT8_AVX2)}"
+    for unchanged in ("disco:default@tuned", "static:2", "none", "confidence:0.4"):
+        assert with_costs(unchanged, INT8_AVX2) == unchanged and not reads_costs(unchanged)
+    assert with_costs("disco:default", None) == "disco:default"
+    factory = PolicyFactory(make_learned_loader())
+    policy = factory.build(spec)
+    assert isinstance(policy, AutoPolicy) and policy.rate_rule and isinstance(policy.disco, DiscoPolicy)
+    assert policy.cost.t_verify == pytest.approx(INT8_AVX2.t_verify, rel=1e-3)
+    assert isinstance(factory.build("disco:default@tuned"), DiscoPolicy)
+    assert isinstance(factory.build("disco:default"), DiscoPolicy)
+    for bad in ("disco:@tuned", "disco:default@", "disco:default@td=x", "disco:default@bogus"):
+        with pytest.raises(InvalidRequest):
+            parse_policy_spec(bad)
+
+
+class _SpecSpy:
+    """Wraps a drafter and records the policy spec each draft session was started with."""
+
+    def __init__(self, drafter) -> None:
+        self.drafter, self.specs = drafter, []
+
+    def start_session(self, session_id, prompt_ids, sampling, policy_spec, *args, **kwargs):
+        self.specs.append(policy_spec)
+        return self.drafter.start_session(session_id, prompt_ids, sampling, policy_spec, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.drafter, name)
+
+
+@pytest.mark.parametrize("costs", [INT8_AVX2, FREE_VERIFY, None])
+def test_disco_runs_under_the_costs_the_loop_knows_and_stays_exact(target_model, drafts, tokenizer, costs):
+    """With costs known, the loop hands ``disco:default`` to the draft side with the costs
+    (the rate rule); without them, or with ``@tuned``, the artifact's threshold. Output is
+    target-only's either way."""
+    generator = local_generator(target_model, drafts["noisy"], tokenizer,
+                                policy_factory=PolicyFactory(make_learned_loader()))
+    generator.costs = costs
+    spy = generator.drafter = _SpecSpy(generator.drafter)
+    sampling = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    reference = generator.generate(ids, sampling, SpeculationConfig(policy="none")).token_ids
+    for policy in ("disco:default", "disco:default@tuned"):
+        result = generator.generate(ids, sampling, SpeculationConfig(policy=policy))
+        assert result.token_ids == reference, policy
+    expected = "disco:default" if costs is None else f"disco:default@{encode_costs(costs)}"
+    assert spy.specs == [expected, "disco:default@tuned"]

@@ -92,7 +92,7 @@ def decode_costs(spec: str, argument: str) -> CostModel | None:
     for item in argument.split(","):
         key, sep, value = item.partition("=")
         if not sep or key not in ("td", "tv", "rtt") or key in fields:
-            raise InvalidRequest(f"malformed policy spec {spec!r}: expected auto or auto:td=MS,tv=MS/MS/...,rtt=MS")
+            raise InvalidRequest(f"malformed policy spec {spec!r}: costs must read td=MS,tv=MS/MS/...,rtt=MS")
         fields[key] = value
     try:
         verify = tuple(float(v) / 1000 for v in fields["tv"].split("/"))
@@ -169,6 +169,44 @@ class AutoPolicy(StopPolicy):
         self.disco.on_feedback(num_drafted, num_accepted)
         self.accepted += num_accepted
         self.rejected += 1 if num_accepted < num_drafted else 0
+
+
+#: ``disco:PATH@tuned``: keep the artifact's tuned threshold although costs are known.
+TUNED = "tuned"
+
+
+def with_costs(spec: str, cost: CostModel | None) -> str:
+    """The spec a request runs when the deployment's costs are known (the loop and
+    ``disco replay`` both call this): a bare ``auto`` becomes ``auto:COSTS``, a bare
+    ``disco:PATH`` becomes ``disco:PATH@COSTS`` (its classifier under the rate rule, the
+    module docstring); any other spec, ``disco:PATH@tuned`` included, is unchanged."""
+    if cost is None:
+        return spec
+    if spec == "auto":
+        return f"auto:{encode_costs(cost)}"
+    if spec.startswith("disco:") and "@" not in spec:
+        return f"{spec}@{encode_costs(cost)}"
+    return spec
+
+
+def reads_costs(spec: str) -> bool:
+    """Whether :func:`with_costs` would change ``spec`` (so the deployment's costs are worth
+    measuring for it)."""
+    return spec == "auto" or (spec.startswith("disco:") and "@" not in spec)
+
+
+def split_disco_argument(spec: str, argument: str) -> tuple[str, CostModel | None]:
+    """``PATH[@COSTS|@tuned]`` of a ``disco:`` spec -> (PATH, costs or ``None``); raises
+    :class:`InvalidRequest` on malformed costs."""
+    path, sep, costs = argument.partition("@")
+    if not path:
+        raise InvalidRequest(f"malformed policy spec {spec!r}: expected disco:PATH or disco:default")
+    if not sep or costs == TUNED:
+        return path, None
+    cost = decode_costs(spec, costs)
+    if cost is None:
+        raise InvalidRequest(f"malformed policy spec {spec!r}: expected disco:PATH[@tuned|@td=MS,tv=MS/...,rtt=MS]")
+    return path, cost
 
 
 def auto_factory(spec: str, argument: str, disco_factory: Callable[[], StopPolicy]) -> Callable[[], StopPolicy]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from disco.errors import InvalidRequest
-from disco.policies.auto import auto_factory, decode_costs
+from disco.policies.auto import AutoPolicy, auto_factory, decode_costs, split_disco_argument
 from disco.policies.base import StopPolicy
 from disco.policies.simple import (
     AdaptiveConfidencePolicy,
@@ -48,12 +48,15 @@ POLICY_INFOS: tuple[PolicyInfo, ...] = (
                "confidence threshold re-fitted online by ROC (cost fpr + 3*fnr), as HF does"),
     PolicyInfo("entropy", "entropy[:lambda=L,gamma=G,adapt=E,target=A]",
                "AdaEDL-style: stop after a token with 1 - sqrt(gamma*entropy) < lambda"),
-    PolicyInfo("disco", "disco:PATH|default",
-               "trained DISCO classifier: stop when P(accept) < tuned threshold; disco:default is the shipped "
-               "artifact for the default pair (trained on the HumanEval train split)"),
+    PolicyInfo("disco", "disco:PATH|default[@tuned]",
+               "trained DISCO classifier; disco:default is the shipped artifact for the default pair (trained on "
+               "the HumanEval train split). Where the deployment's costs are measured its per-token probabilities "
+               "drive the rate rule (stop when drafting on no longer raises the expected tokens/s); without "
+               "costs, or with @tuned, stop when its statistic < the artifact's tuned threshold"),
     PolicyInfo("auto", "auto",
-               "the default: disco:default's stop decision under a lookahead cap from the measured engine costs; "
-               "target-only where speculation cannot pay (e.g. bf16 on a CPU without bf16 units)"),
+               "the default: disco:default under the measured engine costs, target-only where speculation "
+               "cannot pay (e.g. bf16 on a CPU without bf16 units); confidence:0.8 for a draft the artifact "
+               "was not trained for"),
     PolicyInfo("oracle", "oracle", "analysis only: drafts exactly the tokens the target will accept (greedy)"),
 )
 
@@ -120,8 +123,7 @@ def parse_policy_spec(spec: str) -> PolicySpec:
     elif name == "entropy":
         _entropy_params(text, argument)
     elif name == "disco":
-        if not argument:
-            raise InvalidRequest(f"malformed policy spec {text!r}: expected disco:PATH or disco:default")
+        split_disco_argument(text, argument)
     elif name == "auto":
         decode_costs(text, argument)
     elif name not in ("none", "oracle"):
@@ -176,5 +178,7 @@ class PolicyFactory:
             if self._learned_loader is None:
                 raise InvalidRequest(f"policy {parsed.text!r} needs a trained DISCO artifact, "
                                      "but this drafter has no artifact loader")
-            return self._learned_loader(argument)()
+            path, cost = split_disco_argument(parsed.text, argument)
+            policy = self._learned_loader(path)()
+            return AutoPolicy(policy, cost) if cost is not None else policy
         raise AssertionError(f"unhandled policy {name}")  # parse_policy_spec rejects the rest

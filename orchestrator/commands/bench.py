@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from disco.config import SamplingParams, SpeculationConfig  # noqa: PLC0415 - heavy imports when used
     from disco.datasets import load_dataset  # noqa: PLC0415
     from disco.models import disco_home  # noqa: PLC0415
-    from disco.policies import parse_policy_spec  # noqa: PLC0415
+    from disco.policies import parse_policy_spec, reads_costs  # noqa: PLC0415
     from orchestrator.bench import report, runner, transports  # noqa: PLC0415
 
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         if args.transport in ("local", "both") or args.peer == "hf":
             from disco.pipeline import build_local_pipeline  # noqa: PLC0415
 
-            pipeline = build_local_pipeline(pair, home, measure_costs="auto" in policies)
+            pipeline = build_local_pipeline(pair, home, measure_costs=any(map(reads_costs, policies)))
             tokenizer = pipeline.tokenizer
             loaded = {"target": pipeline.target, "draft": pipeline.draft}
             if args.transport in ("local", "both"):

@@ -8,7 +8,7 @@ import sys
 
 from disco.config import DEFAULT_MAX_LOOKAHEAD, SamplingParams, SpeculationConfig
 from disco.loop import GenerationResult, TokenChunk
-from disco.policies import parse_policy_spec
+from disco.policies import parse_policy_spec, reads_costs
 from orchestrator.commands.common import (
     add_client_security_args,
     add_model_args,
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidRequest("prompt is empty")
     pair = pair_config_from_args(args)  # --dtype auto resolved: the stats line names the engine used
     pipeline = build_local_pipeline(pair, disco_home(), need_draft=parse_policy_spec(speculation.policy).uses_draft,
-                                    measure_costs=speculation.policy == "auto", overlap=args.overlap == "on")
+                                    measure_costs=reads_costs(speculation.policy), overlap=args.overlap == "on")
     prompt_ids = encode_prompt(pipeline.tokenizer, args.prompt, args.chat)
     result = None
     for event in pipeline.generator.stream(prompt_ids, sampling, speculation):
