@@ -139,6 +139,8 @@ class OrchestratorService:
             the backends, ``ca`` verifies the backends. ``None``: plaintext.
         require_client_cert: public clients must present a certificate signed by ``tls["ca"]``.
         metrics: serve Prometheus ``/metrics`` on a free port of ``host``.
+        http_port: also serve the OpenAI-compatible HTTP API on this port of ``host``
+            (0: any; ``None``: none), in front of this orchestrator (docs/http.md).
 
     The bearer token of the public API, if any, comes from ``$DISCO_AUTH_TOKEN`` in the
     actor's environment (``disco up`` puts it in the actor's runtime environment).
@@ -146,7 +148,7 @@ class OrchestratorService:
 
     def __init__(self, namespace: str, tokenizer_spec: str | None, host: str | None = None, port: int = 0,
                  limits: dict | None = None, tls: dict | None = None, require_client_cert: bool = False,
-                 metrics: bool = False) -> None:
+                 metrics: bool = False, http_port: int | None = None) -> None:
         from deploy.ray_resolver import RayResolver  # noqa: PLC0415
         from disco.models import disco_home  # noqa: PLC0415
         from orchestrator.routing import ReplicaSet  # noqa: PLC0415
@@ -163,18 +165,35 @@ class OrchestratorService:
                               require_client_cert=require_client_cert, auth_token=auth_token_from_env(),
                               metrics_port=0 if metrics else None)
         self._address = _advertised(host, self._running.port)
+        self._http = None
+        if http_port is not None:
+            from orchestrator.http.config import HttpConfig  # noqa: PLC0415 - the web stack only when asked
+            from orchestrator.http.server import start_in_thread  # noqa: PLC0415
+
+            self._http = start_in_thread(HttpConfig.fronting(
+                self._address, host, http_port, auth_token=auth_token_from_env(),
+                **{f"tls_{key}": value for key, value in (tls or {}).items()}))
 
     def address(self) -> str:
         return self._address
 
+    def http_url(self) -> str | None:
+        """Base URL of the OpenAI-compatible API (``http://NODE_IP:PORT/v1``), if served."""
+        if self._http is None:
+            return None
+        scheme = "https" if self._http.config.https else "http"
+        return f"{scheme}://{_advertised(self._http.config.host, self._http.port)}/v1"
+
     def describe(self) -> dict:
         return _describe("orchestrator", self._address, "disco.v1.Orchestrator", self._running,
                          self._tls if self._tls is not None and self._tls.cert is not None else None,
-                         routing=self.routing())
+                         routing=self.routing(), http=self.http_url())
 
     def routing(self) -> dict[str, list[dict]]:
         """Per-replica sessions and failures seen by this orchestrator."""
         return self._running.servicers[0].backends.routing()
 
     def stop(self, grace_s: float = 2.0) -> None:
+        if self._http is not None:
+            self._http.stop()
         self._running.stop(grace_s)

@@ -16,7 +16,7 @@ import time
 
 from disco.errors import DiscoError
 from orchestrator.commands.common import add_deployment_security_args, add_dtype_arg, add_server_security_args
-from orchestrator.commands.serve import add_overlap_arg, overlap_from_args
+from orchestrator.commands.serve import add_http_port_arg, add_overlap_arg, overlap_from_args
 
 DEFAULT_NAMESPACE = "disco"
 DEFAULT_PORT = 50051
@@ -56,6 +56,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--metrics", action="store_true",
                         help="each service serves Prometheus /metrics on a free port (`disco status` lists them)")
     add_overlap_arg(parser, "of the draft replicas")
+    add_http_port_arg(parser)
     add_deployment_security_args(
         parser, "security (PEM paths readable on every node; every service gets the same files, as with "
         "`disco serve`)", require_client_cert=True,
@@ -85,6 +86,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="announce the bound address as one JSON line")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus /metrics on this port of --host (0: any free port; default: off)")
+    add_http_port_arg(parser)
     add_server_security_args(parser, orchestrator=True)
     _add_namespace_arg(parser)
     parser.set_defaults(func=_run_ray_orchestrator)
@@ -127,7 +129,7 @@ def _run_up(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts, max_sessions=args.max_sessions, placement_timeout_s=args.placement_timeout,
         tls_cert=_absolute(args.tls_cert), tls_key=_absolute(args.tls_key), tls_ca=_absolute(args.tls_ca),
         tls_server_name=args.tls_server_name, tls_require_client_cert=args.tls_require_client_cert,
-        metrics=args.metrics, overlap=overlap_from_args(args))
+        metrics=args.metrics, overlap=overlap_from_args(args), http_port=args.http_port)
     result = up(config, disco_home(), auth_token_from_env(args.auth_token))
     if args.json:
         print(json.dumps(result), flush=True)
@@ -135,6 +137,8 @@ def _run_up(args: argparse.Namespace) -> int:
         print(f"disco is up in Ray namespace {result['namespace']!r} ({result['ray_address']}, "
               f"placement {result['placement']})")
         print(f"  orchestrator  {result['orchestrator'] or '(not started)'}")
+        if result.get("http"):
+            print(f"  http          {result['http']} (OpenAI-compatible API)")
         for role in ("target", "draft"):
             print(f"  {role:<12}  {', '.join(result[role])}")
         print("`disco status` shows the actors, `disco down` stops everything.", flush=True)
@@ -182,7 +186,8 @@ def _run_status(args: argparse.Namespace) -> int:
         restarted = " (restarted)" if actor.get("restarted") else ""
         print(f"  {actor['name']:<13} {actor.get('address', '-'):<22} node {actor.get('node_ip', '-'):<15} "
               f"[{resources}] {actor['health']}{restarted}{' tls' if actor.get('tls') else ''}"
-              f"{' metrics ' + actor['metrics'] if actor.get('metrics') else ''}")
+              f"{' metrics ' + actor['metrics'] if actor.get('metrics') else ''}"
+              f"{' http ' + actor['http'] if actor.get('http') else ''}")
     group = result["placement_group"]
     if group:
         print(f"  placement group {group['name']}: {group['strategy']}, {group['state']}")
@@ -208,18 +213,27 @@ def _run_ray_orchestrator(args: argparse.Namespace) -> int:
     tls = TlsFiles.from_paths(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
     resolver = RayResolver(args.namespace, args.address)
     tokenizer = load_tokenizer(args.model, disco_home())
+    token = auth_token_from_env(args.auth_token)
     running = serve(tokenizer, ReplicaSet("draft", resolver), ReplicaSet("target", resolver),
                     host=args.host, port=args.port, tls=tls, require_client_cert=args.tls_require_client_cert,
-                    auth_token=auth_token_from_env(args.auth_token), metrics_port=args.metrics_port)
+                    auth_token=token, metrics_port=args.metrics_port)
+    gateway = None
+    if args.http_port is not None:  # the OpenAI-compatible API, in front of this orchestrator (docs/http.md)
+        from orchestrator.http.config import HttpConfig, local_address  # noqa: PLC0415
+        from orchestrator.http.server import start_in_thread  # noqa: PLC0415
+
+        gateway = start_in_thread(HttpConfig.fronting(
+            local_address(args.host, running.port), args.host, args.http_port, tls_cert=args.tls_cert,
+            tls_key=args.tls_key, tls_ca=args.tls_ca, tls_server_name=args.tls_server_name, auth_token=token))
     # Readiness: the service is NOT_SERVING until Ray is reachable; the server's overall
     # health ("") stays SERVING (liveness).
     running.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
     if args.json:
         print(json.dumps({"service": "orchestrator", "address": running.address, "model": tokenizer.name_or_path,
-                          "pid": os.getpid()}), flush=True)
+                          "pid": os.getpid(), **({"http": gateway.url} if gateway else {})}), flush=True)
     else:
-        print(f"orchestrator listening on {running.address}; Ray namespace {args.namespace!r} at {args.address}",
-              flush=True)
+        print(f"orchestrator listening on {running.address}; Ray namespace {args.namespace!r} at {args.address}"
+              + (f"; OpenAI-compatible API on {gateway.url}" if gateway else ""), flush=True)
     while True:  # serve at once; connect to Ray when it is there (requests get UNAVAILABLE meanwhile)
         try:
             resolver.connect()
@@ -228,5 +242,9 @@ def _run_ray_orchestrator(args: argparse.Namespace) -> int:
             logging.getLogger(__name__).warning("%s; retrying in 5 s", error)
             time.sleep(5.0)
     running.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    serve_until_signal([running])
+    try:
+        serve_until_signal([running])
+    finally:
+        if gateway is not None:
+            gateway.stop()
     return 0

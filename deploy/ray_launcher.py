@@ -76,6 +76,7 @@ class UpConfig:
     tls_require_client_cert: bool = False
     metrics: bool = False  # each service serves /metrics on a free port (`disco status` lists them)
     overlap: bool = False  # draft replicas pre-draft the next block while the target verifies (disco.predraft)
+    http_port: int | None = None  # the orchestrator actor also serves the OpenAI-compatible HTTP API (docs/http.md)
 
     def tls_paths(self) -> dict | None:
         paths = {"cert": self.tls_cert, "key": self.tls_key, "ca": self.tls_ca}
@@ -160,16 +161,17 @@ def _deploy(config: UpConfig, auth_token: str | None) -> dict:
         ).remote(role, model, config.host, {"max_sessions": config.max_sessions}, config.tls_paths(), config.metrics,
                  overlap=config.overlap and role == "draft")
     addresses = {name: _await(name, handle, config.startup_timeout_s) for name, handle in handles.items()}
-    orchestrator = None
+    orchestrator = http = None
     if config.orchestrator:
         handle = ray.remote(OrchestratorService).options(
             name=ORCHESTRATOR_NAME, lifetime="detached", max_restarts=config.max_restarts, num_cpus=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(_head_node_id(), soft=False),
             runtime_env={"env_vars": {AUTH_TOKEN_ENV: auth_token}} if auth_token else None,
         ).remote(config.namespace, config.target, config.host, config.port, None, config.tls_paths(),
-                 config.tls_require_client_cert, config.metrics)
+                 config.tls_require_client_cert, config.metrics, config.http_port)
         orchestrator = _await(ORCHESTRATOR_NAME, handle, config.startup_timeout_s)
-    return {"orchestrator": orchestrator, "placement": strategy,
+        http = ray.get(handle.http_url.remote(), timeout=DESCRIBE_TIMEOUT_S)
+    return {"orchestrator": orchestrator, "http": http, "placement": strategy,
             "target": [a for n, a in addresses.items() if n.startswith("target")],
             "draft": [a for n, a in addresses.items() if n.startswith("draft")]}
 

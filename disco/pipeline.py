@@ -48,6 +48,24 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, chat: bool) -
     return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
 
 
+#: Roles a conversation may use (what chat templates render).
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def encode_messages(tokenizer: PreTrainedTokenizerBase, messages: Sequence[tuple[str, str]]) -> list[int]:
+    """Token ids of a conversation of ``(role, content)`` messages, checked: known roles,
+    some non-empty content, a user message last (the assistant turn is opened after it)."""
+    for index, (role, _) in enumerate(messages):
+        if role not in CHAT_ROLES:
+            raise InvalidRequest(f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+    if not any(content.strip() for _, content in messages):
+        raise InvalidRequest("prompt is empty: every message's content is empty")
+    if messages[-1][0] != "user":
+        raise InvalidRequest(f"the last message must have role 'user', got {messages[-1][0]!r}")
+    return encode_chat(tokenizer, [{"role": role, "content": content} for role, content in messages],
+                       "chat messages need a tokenizer with a chat template, and this one has none")
+
+
 def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict], no_template_error: str) -> list[int]:
     """Token ids of a chat with the tokenizer's chat template and the assistant turn opened."""
     if not getattr(tokenizer, "chat_template", None):

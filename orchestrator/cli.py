@@ -28,6 +28,7 @@ COMMAND_MODULES = (
     "orchestrator.commands.bench",
     "orchestrator.commands.bench_concurrency",
     "orchestrator.commands.serve", "orchestrator.commands.info", "orchestrator.commands.bench_transport",
+    "orchestrator.commands.http",
 )
 
 

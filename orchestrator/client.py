@@ -78,9 +78,11 @@ def build_request(prompt: str = "", *, prompt_ids: Sequence[int] | None = None, 
                   policy: str = "", max_lookahead: int | None = None, max_new_tokens: int | None = None,
                   temperature: float = 0.0, top_p: float | None = None, top_k: int = 0, seed: int | None = None,
                   stop: Sequence[str] = (), ignore_eos: bool = False,
-                  overlap: bool | None = None) -> orchestrator_pb2.GenerateRequest:
+                  overlap: bool | None = None,
+                  messages: Sequence[tuple[str, str]] = ()) -> orchestrator_pb2.GenerateRequest:
     """The ``GenerateRequest`` for these arguments (``None``/empty: the server default;
-    ``overlap``: overlapped drafting for this request, ``None``: the draft service's setting).
+    ``overlap``: overlapped drafting for this request, ``None``: the draft service's setting;
+    ``messages``: a conversation of ``(role, content)`` pairs instead of ``prompt``).
 
     Raises:
         DiscoRpcError: ``INVALID_ARGUMENT`` when a value does not fit its field.
@@ -90,7 +92,9 @@ def build_request(prompt: str = "", *, prompt_ids: Sequence[int] | None = None, 
                                              top_k=top_k, seed=seed, stop=list(stop), ignore_eos=ignore_eos)
         return orchestrator_pb2.GenerateRequest(prompt=prompt, prompt_ids=list(prompt_ids or ()), chat=chat,
                                                 policy=policy, max_lookahead=max_lookahead, sampling=sampling,
-                                                overlap=overlap)
+                                                overlap=overlap, messages=[
+                                                    orchestrator_pb2.ChatMessage(role=role, content=content)
+                                                    for role, content in messages])
     except (TypeError, ValueError) as error:
         raise DiscoRpcError(grpc.StatusCode.INVALID_ARGUMENT, f"invalid request: {error}") from None
 

@@ -22,7 +22,7 @@ import disco
 from disco.config import DEFAULT_MAX_LOOKAHEAD, MAX_LOOKAHEAD_LIMIT, SamplingParams, SpeculationConfig
 from disco.errors import DiscoError, InvalidRequest, ResourceExhausted
 from disco.loop import GenerationEvent, GenerationResult, SpeculativeGenerator, TokenChunk
-from disco.pipeline import encode_prompt, make_decode
+from disco.pipeline import encode_messages, encode_prompt, make_decode
 from disco.policies import POLICY_INFOS, parse_policy_spec, reads_costs
 from orchestrator.backends import Backends
 from orchestrator.degrade import DegradingDrafter, UnreachableDrafter, draft_check
@@ -145,7 +145,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             prompt_ids = list(request.prompt_ids)
         else:
             with self._tokenizer_lock:
-                prompt_ids = encode_prompt(self.tokenizer, request.prompt, request.chat)
+                prompt_ids = (encode_messages(self.tokenizer, [(m.role, m.content) for m in request.messages])
+                              if request.messages else encode_prompt(self.tokenizer, request.prompt, request.chat))
         convert.check_prompt_length(len(prompt_ids), self.limits.max_prompt_tokens)
         return prompt_ids, sampling, speculation
 

@@ -1,7 +1,8 @@
 """The KubeRay manifests in deploy/kuberay/ validate against the KubeRay CRDs, strictly
 (an unknown field is an error, as with ``kubectl apply --validate=strict``), and the
 pieces fit together: the RayJob targets the RayCluster, the commands parse with the
-``disco`` CLI, the orchestrator's Service and gRPC probes point at its gRPC port.
+``disco`` CLI, the orchestrator's Service and gRPC probes point at its gRPC port (and the
+Service at its HTTP port).
 
 NOTE: the CRDs' ``x-kubernetes-validations`` (CEL) rules are not evaluated; they only
 constrain fields these manifests do not use (managedBy, deletionStrategy, GCS FT).
@@ -113,7 +114,7 @@ def test_the_rayjob_runs_disco_up_on_the_cluster():
     assert args.address == "auto" and args.no_orchestrator and args.placement == "spread"
 
 
-def test_the_orchestrator_service_and_grpc_probes_point_at_its_grpc_port():
+def test_the_orchestrator_service_and_grpc_probes_point_at_its_grpc_and_http_ports():
     cluster, deployment, service = by_kind("RayCluster"), by_kind("Deployment"), by_kind("Service")
     pod = deployment["spec"]["template"]
     (container,) = pod["spec"]["containers"]
@@ -130,8 +131,11 @@ def test_the_orchestrator_service_and_grpc_probes_point_at_its_grpc_port():
     assert container["readinessProbe"]["grpc"]["service"] == "disco.v1.Orchestrator"
     assert deployment["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
-    (port,) = service["spec"]["ports"]
-    assert port["targetPort"] == "grpc" and port["port"] == args.port
+    service_ports = {port["name"]: port for port in service["spec"]["ports"]}
+    assert set(service_ports) == {"grpc", "http"}
+    assert service_ports["grpc"]["targetPort"] == "grpc" and service_ports["grpc"]["port"] == args.port
+    # The OpenAI-compatible HTTP API (docs/http.md) on its own named port.
+    assert ports["http"] == args.http_port and service_ports["http"]["targetPort"] == "http"
 
 
 def test_every_volume_claim_is_declared():

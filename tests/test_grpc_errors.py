@@ -42,6 +42,10 @@ BAD_REQUESTS = [
     (dict(stop=[""]), Code.INVALID_ARGUMENT, "stop strings"),
     (dict(prompt_ids=[1, 10**6]), Code.INVALID_ARGUMENT, "prompt token ids"),
     (dict(chat=True), Code.INVALID_ARGUMENT, "chat template"),
+    (dict(messages=[("user", "Hi")]), Code.INVALID_ARGUMENT, "chat template"),
+    (dict(messages=[("robot", "Hi")]), Code.INVALID_ARGUMENT, "messages[0].role"),
+    (dict(messages=[("user", "Hi"), ("assistant", "Hello")]), Code.INVALID_ARGUMENT, "last message"),
+    (dict(messages=[("system", ""), ("user", " ")]), Code.INVALID_ARGUMENT, "prompt is empty"),
 ]
 
 

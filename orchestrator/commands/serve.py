@@ -29,6 +29,7 @@ from orchestrator.commands.common import (
     dtype_from_args,
     pair_config_from_args,
 )
+from orchestrator.http import DEFAULT_HTTP_PORT
 
 PORTS = {"orchestrator": 50051, "draft": 50052, "target": 50053}
 
@@ -82,6 +83,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_operations_args(parser)
     _add_artifact_dir_arg(parser)
     add_overlap_arg(parser, "of the draft service")
+    add_http_port_arg(parser)
     parser.set_defaults(func=_run_serve)
     add_deployment_security_args(parser, "security (every child gets the same files)")
 
@@ -98,6 +100,14 @@ def add_overlap_arg(parser: argparse.ArgumentParser, whose: str = "") -> None:
                         help=f"overlapped drafting{' ' + whose if whose else ''}: pre-draft each request's next "
                              "block while the target verifies the last one, used when the guess (whole block "
                              "accepted) is right; output unchanged (default off; docs/overlap.md)")
+
+
+def add_http_port_arg(parser: argparse.ArgumentParser) -> None:
+    """``--http-port`` (default: no HTTP API); see docs/http.md."""
+    parser.add_argument("--http-port", type=int, default=None, metavar="PORT",
+                        help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) "
+                             f"on this port of --host, in front of the orchestrator (0: any free port; "
+                             f"{DEFAULT_HTTP_PORT} is customary; default: off; docs/http.md)")
 
 
 def overlap_from_args(args: argparse.Namespace) -> bool:
@@ -207,14 +217,21 @@ def _run_serve(args: argparse.Namespace) -> int:
                              log_format=args.log_format, artifact_dirs=tuple(args.artifact_dir or ()))
     services = launch(pair_config_from_args(args), host=args.host, port=args.port, threads=args.threads,
                       options=options, overlap=overlap_from_args(args))
+    gateway = None
     try:
-        if args.json:  # with --metrics-port, also {"metrics": {service: HOST:PORT}}
+        if args.http_port is not None:  # after the orchestrator is up: the gateway's first Info reaches it
+            gateway = _start_http(args, services.addresses["orchestrator"], options.auth_token)
+        if args.json:  # with --metrics-port, also {"metrics": {service: HOST:PORT}}; with --http-port, "http"
             announced = {name: services.addresses[name] for name in ("orchestrator", "draft", "target")}
+            if gateway is not None:
+                announced["http"] = gateway.url
             print(json.dumps({**announced, "metrics": services.metrics} if services.metrics else announced),
                   flush=True)
         else:
             print(f"disco serving on {services.addresses['orchestrator']} (draft {services.addresses['draft']}, "
                   f"target {services.addresses['target']}); Ctrl-C stops all three", flush=True)
+            if gateway is not None:
+                print(f"OpenAI-compatible HTTP API on {gateway.url}", flush=True)
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
@@ -222,9 +239,28 @@ def _run_serve(args: argparse.Namespace) -> int:
             if (dead := services.dead()) is not None:
                 raise DiscoError(f"the {dead} service exited with code {services.processes[dead].returncode}; "
                                  "stopping the others")
+            if gateway is not None and not gateway.alive():
+                raise DiscoError("the HTTP gateway stopped; stopping the services")
     finally:
+        if gateway is not None:
+            gateway.stop()
         services.stop()
     return 0
+
+
+def _start_http(args: argparse.Namespace, orchestrator: str, token: str | None):
+    """The HTTP gateway in front of ``orchestrator``, in a thread of this process (HTTPS
+    with the deployment's certificate, when it has one)."""
+    from orchestrator.commands.http import warn_if_exposed  # noqa: PLC0415 - the web stack only when used
+    from orchestrator.http.config import HttpConfig  # noqa: PLC0415
+    from orchestrator.http.server import start_in_thread  # noqa: PLC0415
+
+    config = HttpConfig.fronting(orchestrator, args.host, args.http_port, tls_cert=args.tls_cert,
+                                 tls_key=args.tls_key, tls_ca=args.tls_ca, tls_server_name=args.tls_server_name,
+                                 auth_token=token)
+    gateway = start_in_thread(config)
+    warn_if_exposed(args.host, config.https, token)
+    return gateway
 
 
 def _announce(service: str, address: str, model: str, as_json: bool, metrics: str | None = None) -> None:
