@@ -82,14 +82,18 @@ def test_artifact_metadata_and_round_trip(trained, tiny_pair_dirs, tmp_path):
 
 
 def test_generate_with_trained_policy_is_exact(capsys, workspace, trained, home):
+    """Under the measured costs of the tiny pair (``disco:PATH``; the draft costs about what
+    the target does, so little or nothing is drafted) and at the artifact's own threshold
+    (``@tuned``, which drafts): target-only's tokens either way."""
     outputs = {}
-    for policy in ("none", f"disco:{trained}"):
+    for policy in ("none", f"disco:{trained}", f"disco:{trained}@tuned"):
         code, out, err = run_cli(capsys, "generate", *workspace["models"], "--prompt", "def f(x):", "--policy", policy,
                                  "--max-new-tokens", "24", "--ignore-eos", "--json")
         assert code == 0, err
         outputs[policy] = json.loads(out)
     assert outputs[f"disco:{trained}"]["token_ids"] == outputs["none"]["token_ids"]
-    assert outputs[f"disco:{trained}"]["stats"]["draft_tokens"] > 0
+    assert outputs[f"disco:{trained}@tuned"]["token_ids"] == outputs["none"]["token_ids"]
+    assert outputs[f"disco:{trained}@tuned"]["stats"]["draft_tokens"] > 0
 
 
 def test_replay_command_json_contract(capsys, workspace, trained, home, tmp_path):
