@@ -11,11 +11,21 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 #: OpenAI's default ``max_tokens`` of a text completion (a chat's default is the server's).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+#: OpenAI fields not implemented, accepted only at their neutral value: why each is refused.
+UNSUPPORTED = {
+    "presence_penalty": "penalties are not supported (they would change the target's distribution)",
+    "frequency_penalty": "penalties are not supported (they would change the target's distribution)",
+    "logit_bias": "logit_bias is not supported",
+    "echo": "echo is not supported",
+    "suffix": "suffix is not supported",
+    "logprobs": "logprobs are not supported",
+    "tools": "tools are not supported",
+}
 
 
 def _refuse(message: str) -> PydanticCustomError:
@@ -69,18 +79,14 @@ class GenerationRequest(BaseModel):
             raise _refuse("stop strings must not be empty")
         return stop
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("*")
     @classmethod
-    def _no_penalty(cls, value: float | None) -> float | None:
-        if value:
-            raise _refuse("penalties are not supported (they would change the target's distribution)")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_bias(cls, value: dict | None) -> dict | None:
-        if value:
-            raise _refuse("logit_bias is not supported")
+    def _neutral_unless_supported(cls, value: Any, info: ValidationInfo) -> Any:
+        """OpenAI fields this server does not implement (:data:`UNSUPPORTED`) are refused
+        unless they hold their neutral value (absent, 0, false, empty)."""
+        reason = UNSUPPORTED.get(info.field_name or "")
+        if reason is not None and value:
+            raise _refuse(reason)
         return value
 
     @model_validator(mode="after")
@@ -136,33 +142,12 @@ class CompletionRequest(GenerationRequest):
             raise _refuse(f"only one prompt per request is supported, got {len(prompt)}")
         raise _refuse("prompt must be a non-empty string or a non-empty list of token ids")
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool | None) -> bool | None:
-        if echo:
-            raise _refuse("echo is not supported")
-        return echo
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, suffix: str | None) -> str | None:
-        if suffix:
-            raise _refuse("suffix is not supported")
-        return suffix
-
     @field_validator("best_of")
     @classmethod
     def _one_candidate(cls, best_of: int | None) -> int | None:
         if best_of not in (None, 1):
             raise _refuse("only best_of=1 is supported")
         return best_of
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs: int | None) -> int | None:
-        if logprobs:
-            raise _refuse("logprobs are not supported")
-        return logprobs
 
     def generate_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of :func:`~orchestrator.client.build_request`."""
@@ -224,20 +209,6 @@ class ChatCompletionRequest(GenerationRequest):
         if not any(message.text().strip() for message in messages):
             raise _refuse("every message is empty")
         return messages
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs: bool | None) -> bool | None:
-        if logprobs:
-            raise _refuse("logprobs are not supported")
-        return logprobs
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, tools: list | None) -> list | None:
-        if tools:
-            raise _refuse("tools are not supported")
-        return tools
 
     @field_validator("response_format")
     @classmethod
