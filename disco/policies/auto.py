@@ -180,18 +180,14 @@ def with_costs(spec: str, cost: CostModel | None) -> str:
     ``disco replay`` both call this): a bare ``auto`` becomes ``auto:COSTS``, a bare
     ``disco:PATH`` becomes ``disco:PATH@COSTS`` (its classifier under the rate rule, the
     module docstring); any other spec, ``disco:PATH@tuned`` included, is unchanged."""
-    if cost is None:
+    if cost is None or not reads_costs(spec):
         return spec
-    if spec == "auto":
-        return f"auto:{encode_costs(cost)}"
-    if spec.startswith("disco:") and "@" not in spec:
-        return f"{spec}@{encode_costs(cost)}"
-    return spec
+    return f"auto:{encode_costs(cost)}" if spec == "auto" else f"{spec}@{encode_costs(cost)}"
 
 
 def reads_costs(spec: str) -> bool:
-    """Whether :func:`with_costs` would change ``spec`` (so the deployment's costs are worth
-    measuring for it)."""
+    """Whether ``spec`` takes the deployment's costs (:func:`with_costs`), so that they are
+    worth measuring for it: a bare ``auto`` or ``disco:PATH``."""
     return spec == "auto" or (spec.startswith("disco:") and "@" not in spec)
 
 
