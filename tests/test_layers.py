@@ -187,3 +187,19 @@ def test_the_checks_catch_hand_made_violations(tmp_path):
         "disco/a.py:2: from . import b -> disco.b",
         "disco/b.py:1: import disco.a -> disco.a",
     ]]
+
+
+#: A file past this many lines is a design smell (docs/architecture.md); generated stubs aside.
+MAX_SOURCE_LINES = 500
+
+
+def test_no_source_file_is_over_500_lines():
+    too_long = []
+    for package in sorted(_PACKAGES) + ["tests"]:
+        for path in sorted((REPO / package).rglob("*.py")):
+            if "_pb2" in path.name:
+                continue
+            lines = len(path.read_text().splitlines())
+            if lines > MAX_SOURCE_LINES:
+                too_long.append(f"{path.relative_to(REPO)}: {lines}")
+    assert not too_long, too_long
