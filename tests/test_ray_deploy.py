@@ -12,6 +12,7 @@ one takes it down.
 
 import json
 import time
+import urllib.error
 import urllib.request
 import uuid
 from dataclasses import dataclass
@@ -70,7 +71,7 @@ def deployment(tiny_pair_dirs, tmp_path_factory):
     info = up(UpConfig(target=str(tiny_pair_dirs["target"]), draft=str(tiny_pair_dirs["draft"]), dtype="float32",
                        namespace=namespace, target_replicas=2, port=0, tls_cert=str(services.cert),
                        tls_key=str(services.key), tls_ca=str(authority.ca), tls_server_name=SERVER_NAME,
-                       metrics=True), home, auth_token=TOKEN)
+                       metrics=True, http_port=0), home, auth_token=TOKEN)
     deployment = Deployment(info, home, namespace, {}, authority.ca)
     yield deployment
     if ray.is_initialized():  # a test failed before test_down_removes_everything
@@ -142,6 +143,28 @@ def test_generation_through_the_orchestrator_is_token_identical(deployment, refe
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     with DiscoClient(deployment.info["orchestrator"], timeout=10) as plaintext, pytest.raises(DiscoRpcError):
         plaintext.generate(PROMPTS[0], max_new_tokens=4)  # the public API speaks TLS only
+
+
+def test_the_orchestrator_actor_serves_the_openai_api(deployment):
+    """``disco up --http-port``: HTTPS with the deployment's certificate, the same token,
+    the same text as the gRPC API (docs/http.md)."""
+    import ssl  # noqa: PLC0415
+
+    url = deployment.info["http"]
+    assert url and url.startswith("https://"), deployment.info
+    context = ssl.create_default_context(cafile=str(deployment.ca))
+    context.check_hostname = False  # the certificate names localhost; the actor listens on the node's IP
+    body = json.dumps({"prompt": PROMPTS[0], "max_tokens": 8, "ignore_eos": True, "policy": "static:3"}).encode()
+    request = urllib.request.Request(f"{url}/completions", data=body, headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(request, timeout=60, context=context) as response:
+        text = json.loads(response.read())["choices"][0]["text"]
+    with deployment.client() as client:
+        assert text == client.generate(PROMPTS[0], policy="static:3", max_new_tokens=8, ignore_eos=True).text
+    request = urllib.request.Request(f"{url}/completions", data=body, headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=60, context=context)
+    assert refused.value.code == 401
 
 
 def test_concurrent_sessions_spread_over_both_target_replicas(deployment, reference):
