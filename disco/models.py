@@ -108,7 +108,7 @@ def load_model(config: ModelConfig, role: str, home: Path, progress: bool = True
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     config.validate()
     start = time.perf_counter()
-    location, name, is_hub = _resolve(config.spec, role, home, progress)
+    location, name, is_hub = resolve_location(config.spec, role, home, progress)
     logger.info("loading %s model %s from %s (%s, %s) ...", role, name, location, config.dtype, config.device)
     if config.dtype in quantize.QUANT_FORMATS:
         model, tokenizer, fingerprint = _load_quantized(location, name, is_hub, home, config.dtype)
@@ -157,7 +157,7 @@ def load_pair(pair: PairConfig, home: Path, progress: bool = True) -> tuple[Load
 def model_fingerprint(config: ModelConfig, role: str, home: Path) -> str | None:
     """The fingerprint :func:`load_model` would report, without loading the weights
     (``None`` for a hub id without a local snapshot). Prepares a default model if needed."""
-    location, _, is_hub = _resolve(config.spec, role, home, progress=False)
+    location, _, is_hub = resolve_location(config.spec, role, home, progress=False)
     return _hub_fingerprint(location, None) if is_hub else folder_fingerprint(Path(location))
 
 
@@ -220,7 +220,7 @@ def tokenizer_hash(tokenizer: PreTrainedTokenizerBase) -> str:
     return hashlib.sha256(json.dumps(payload, ensure_ascii=False).encode()).hexdigest()
 
 
-def _resolve(spec: str | None, role: str, home: Path, progress: bool) -> tuple[str, str, bool]:
+def resolve_location(spec: str | None, role: str, home: Path, progress: bool) -> tuple[str, str, bool]:
     """Turn a spec into ``(location, display name, is_hub_id)``; prepares files if needed."""
     if spec is None:
         folder = ensure_default_model(role, home, progress)

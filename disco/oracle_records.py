@@ -429,9 +429,9 @@ def identify_model(config, role: str, home: Path) -> dict | None:
     identified by loading them)."""
     from transformers import AutoTokenizer  # noqa: PLC0415
 
-    from disco.models import _resolve, folder_fingerprint, tokenizer_hash  # noqa: PLC0415
+    from disco.models import resolve_location, folder_fingerprint, tokenizer_hash  # noqa: PLC0415
 
-    location, _, is_hub = _resolve(config.spec, role, home, progress=True)
+    location, _, is_hub = resolve_location(config.spec, role, home, progress=True)
     if is_hub:
         return None
     tokenizer = AutoTokenizer.from_pretrained(location)
@@ -490,7 +490,7 @@ class PairRecords:
             return self._loaded[0].tokenizer
         from transformers import AutoTokenizer  # noqa: PLC0415
 
-        from disco.models import _resolve  # noqa: PLC0415
+        from disco.models import resolve_location  # noqa: PLC0415
 
-        location, _, _ = _resolve(self.pair.target.spec, "target", self.home, progress=True)
+        location, _, _ = resolve_location(self.pair.target.spec, "target", self.home, progress=True)
         return AutoTokenizer.from_pretrained(location)
