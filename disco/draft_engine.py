@@ -20,7 +20,7 @@ from disco.errors import InvalidRequest, SessionNotFound
 from disco.interfaces import DraftEvent, DraftSummary, DraftToken, Feedback, PrefillResult
 from disco.batching import ForwardBatcher
 from disco.kv import CachedSequence
-from disco.policies import Decision, PolicyFactory, StopPolicy
+from disco.policies import Decision, PolicyFactory, StopPolicy, block_budget
 from disco.predraft import Predraft, can_predraft
 from disco.sampling import logits_to_probs, make_generator
 from disco.sessions import SessionLimits, SessionStore
@@ -207,7 +207,7 @@ class DraftEngine:
             self.batcher.prefill(sequence)
         session.block_base, session.block_size, session.awaiting_feedback = len(sequence), 0, True
         room = self.max_context - len(sequence)
-        start.budget = max(0, min(max_lookahead, session.policy.begin_block(max_lookahead), room))
+        start.budget = block_budget(session.policy, max_lookahead, room)
         return start
 
     def _adopt_predraft(self, session: DraftSession, predraft: Predraft, max_lookahead: int,
@@ -222,7 +222,7 @@ class DraftEngine:
             policy = session.policy
             policy.on_feedback(predraft.block_size, predraft.block_size)
             room = self.max_context - session.block_base
-            start.budget = max(0, min(max_lookahead, policy.begin_block(max_lookahead), room))
+            start.budget = block_budget(policy, max_lookahead, room)
             kept, stopped = [], False
             for position, (token, signals) in enumerate(zip(predraft.tokens, predraft.signals)):
                 if position >= start.budget:

@@ -40,7 +40,7 @@ import torch
 from disco.batching import ForwardBatcher
 from disco.interfaces import DraftToken, Feedback
 from disco.kv import CachedSequence
-from disco.policies import Decision, StopPolicy
+from disco.policies import Decision, StopPolicy, block_budget
 from disco.policies.learned import DiscoArtifact
 from disco.policies.simple import OraclePolicy
 from disco.signals import TokenSignals
@@ -141,7 +141,7 @@ class Predraft:
         # 1. The policy as the drafting loop would find it after the guessed feedback.
         policy = clone_policy(self._original)
         policy.on_feedback(self.block_size, self.block_size)
-        budget = max(0, min(self.max_lookahead, policy.begin_block(self.max_lookahead), self._room))
+        budget = block_budget(policy, self.max_lookahead, self._room)
         if budget == 0 or self.stop.is_set():
             return
         # 2. The guess: the draft's own choice for the bonus position.

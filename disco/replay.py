@@ -31,7 +31,7 @@ import numpy as np
 from disco.cost_model import CostModel
 from disco.errors import InvalidRequest
 from disco.oracle_records import OracleRecord, RecordSet
-from disco.policies import Decision, PolicyFactory, StopPolicy, parse_policy_spec
+from disco.policies import Decision, PolicyFactory, StopPolicy, block_budget, parse_policy_spec
 from disco.policies.auto import with_costs
 from disco.policies.simple import OraclePolicy
 from disco.signals import TokenSignals
@@ -101,7 +101,7 @@ def replay_record(record: OracleRecord, policy: StopPolicy, max_new_tokens: int,
                 if observer is not None:
                     observer.feedback(*pending)
                 pending = None
-            budget = max(0, min(cap, policy.begin_block(cap)))
+            budget = block_budget(policy, cap)
             if observer is not None:
                 observer.begin_block()
             for position in range(budget):

@@ -2,7 +2,7 @@
 
 The drafting loop (inside the draft engine) does, per block::
 
-    budget = min(max_lookahead, policy.begin_block(max_lookahead))
+    budget = block_budget(policy, max_lookahead, room_in_context)
     for position in range(budget):
         token = draft one token
         decision = policy.after_token(position, token, signals)
@@ -46,3 +46,11 @@ class StopPolicy:
 
     def on_feedback(self, num_drafted: int, num_accepted: int) -> None:
         """The target accepted ``num_accepted`` of the ``num_drafted`` tokens."""
+
+
+def block_budget(policy: StopPolicy, max_lookahead: int, room: int | None = None) -> int:
+    """Draft tokens the next block may have: the policy's budget within the lookahead cap
+    and the ``room`` left in the model's context (the one rule of every drafting loop:
+    live, pre-drafting and replay). Calls ``policy.begin_block``."""
+    budget = min(max_lookahead, policy.begin_block(max_lookahead))
+    return max(0, budget if room is None else min(budget, room))
