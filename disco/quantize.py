@@ -229,10 +229,27 @@ def load_quantized(skeleton: nn.Module, folder: Path, device: str = "cpu") -> nn
         if tuple(tensor.shape) != tuple(expected[name].shape) or tensor.dtype != expected[name].dtype:
             raise ValueError(f"quantized cache tensor {name} is {tensor.dtype}{list(tensor.shape)}, "
                              f"the model expects {expected[name].dtype}{list(expected[name].shape)}")
-        _assign(skeleton, name, tensor)
+        stored[name] = _aligned(tensor)
+        _assign(skeleton, name, stored[name])
     for name, source in manifest.get("aliases", {}).items():
         _assign(skeleton, name, stored[source])
     return skeleton
+
+
+#: Bytes of alignment the CPU kernels may assume (AVX-512 vectors; torch's CPU allocator gives 64).
+KERNEL_ALIGNMENT = 64
+
+
+def _aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, copied where it does not start on a :data:`KERNEL_ALIGNMENT` boundary.
+
+    NOTE: a safetensors file packs tensors back to back, so a loaded tensor can start at
+    any byte. ``torch._weight_int8pack_mm``'s AVX-512 path (CPUs with AVX-512/AMX) crashed
+    with a segmentation fault on scales at an address 56 mod 64 (torch 2.13.0+cpu); the
+    AVX2 path did not. A fresh allocation is aligned."""
+    if tensor.device.type != "cpu" or tensor.data_ptr() % KERNEL_ALIGNMENT == 0:
+        return tensor
+    return tensor.clone()
 
 
 def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
