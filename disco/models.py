@@ -29,7 +29,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from disco import quantize
+from disco import quantize, row_stable
 from disco.config import ModelConfig, PairConfig
 from disco.errors import ModelError, VocabularyMismatch, first_line
 from disco.gguf_convert import SOURCE_FILE, convert_gguf
@@ -120,6 +120,8 @@ def load_model(config: ModelConfig, role: str, home: Path, progress: bool = True
     except (RuntimeError, AssertionError) as error:
         raise ModelError(f"could not move {role} model {name} to {config.device}: {first_line(error)}") from error
     model.eval()
+    if config.dtype in ("bfloat16", "float16") and config.device == "cpu":
+        logger.info("%s model %s: %s", role, name, row_stable.stabilize(model))
     loaded = LoadedModel(
         model=model,
         tokenizer=tokenizer,

@@ -24,6 +24,7 @@ from disco.kv import CachedSequence
 from disco.policies import PolicyFactory
 from disco.dense_prefill import DENSE_MIN_ROWS
 from disco.quantize import quantize_model
+from disco.row_stable import stabilize, stable_linear
 from disco.target_engine import TargetEngine
 
 VOCAB = 512
@@ -44,14 +45,47 @@ def _assert_same(batched: torch.Tensor, alone: torch.Tensor, dtype: torch.dtype 
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_linear_kernels_give_each_row_the_same_bits_whatever_the_rows(dtype):
-    """The kernel property packed batching relies on for bit-exact bf16 batches."""
+@pytest.mark.parametrize("shape", [(384, 256), (256, 1536), (64, 2048)])
+def test_the_engines_linears_give_each_row_the_same_bits_whatever_the_rows(dtype, shape):
+    """The property packed batching and exact verification rely on in low precision, for
+    the linears as the engine loads them (disco.row_stable: the plain kernels where they
+    have it, e.g. AVX2; calls of 2-N rows where they do not, e.g. AMX; the shapes include a
+    long input, where AMX's one-row path sums differently)."""
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(384, 256, generator=generator).to(dtype)
-    rows = torch.randn(17, 256, generator=generator).to(dtype)
-    alone = torch.cat([torch.nn.functional.linear(rows[i: i + 1], weight) for i in range(17)])
-    for count in range(2, 18):
-        assert torch.equal(torch.nn.functional.linear(rows[:count], weight), alone[:count]), count
+    model = torch.nn.Sequential(torch.nn.Linear(shape[1], shape[0])).to(dtype)
+    verdict = stabilize(model)
+    assert "near-ties may flip" not in verdict, verdict
+    linear = model[0]
+    rows = torch.randn(70, shape[1], generator=generator).to(dtype)
+    with torch.inference_mode():
+        alone = torch.cat([linear(rows[i: i + 1]) for i in range(70)])
+        for count in (*range(2, 18), 31, 32, 33, 40, 64, 65, 70):
+            assert torch.equal(linear(rows[:count]), alone[:count]), (count, verdict)
+        assert torch.equal(linear(rows[:6].reshape(2, 3, -1)).reshape(6, -1), alone[:6])  # [batch, seq, in]
+
+
+def test_row_stable_calls_cut_rows_into_calls_of_two_or_more():
+    calls = []
+    weight = torch.randn(8, 4)
+
+    def record(rows, w, b):
+        calls.append(rows.shape[0])
+        return rows @ w.T
+
+    original = torch.nn.functional.linear
+    torch.nn.functional.linear = record
+    try:
+        rows = torch.randn(11, 4)
+        out = stable_linear(rows, weight, None, max_rows=4)
+        assert calls == [4, 4, 3] and torch.allclose(out, rows @ weight.T)
+        calls.clear()
+        assert torch.allclose(stable_linear(rows[:1], weight, None, max_rows=4), rows[:1] @ weight.T)
+        assert calls == [2]  # one row gets a zero row added
+        calls.clear()
+        stable_linear(rows[:9], weight, None, max_rows=4)
+        assert calls == [4, 4, 2]  # a last chunk of one row too
+    finally:
+        torch.nn.functional.linear = original
 
 
 class _Shadow:
