@@ -21,8 +21,11 @@ Model (two devices, so drafting during verification takes nothing from the targe
 * **miss**: the pre-drafted tokens are discarded; the draft first finishes the forward in
   flight, on average half a draft forward added to the critical path.
 
-Block lengths are the replayed policy's, as if the stop policy decided the same way over
-pre-drafted tokens (it runs on them too). Greedy records only; sampling is not modelled.
+Block lengths are the replayed policy's (the stop policy runs on pre-drafted tokens too).
+A policy that weighs overlap (the rate rule of ``auto`` and ``disco:PATH`` under costs,
+:mod:`disco.policies.auto`) is replayed twice by :func:`estimate_policy`: as a sequential
+session for the sequential time and as an overlapped one for the overlapped time, as the
+draft service builds it. Greedy records only; sampling is not modelled.
 """
 
 from __future__ import annotations
@@ -30,13 +33,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from disco.cost_model import CostModel
-from disco.oracle_records import OracleRecord
-from disco.replay import RecordReplay
-
-#: On a miss the draft finishes the forward in flight: half a draft forward on average.
-MISS_PENALTY_FORWARDS = 0.5
-
+from disco.cost_model import MISS_PENALTY_FORWARDS, CostModel
+from disco.oracle_records import OracleRecord, RecordSet
+from disco.policies.auto import with_costs
+from disco.replay import RecordReplay, replay_policy
 
 @dataclass(frozen=True)
 class OverlapEstimate:
@@ -75,8 +75,7 @@ def estimate_record(record: OracleRecord, replayed: RecordReplay, cost: CostMode
         bonus_index = generated + accepted  # continuation index of the bonus token
         full = drafted > 0 and accepted == drafted
         hit = full and bonus_index < len(matches) and bool(matches[bonus_index])
-        window = cost.verify(drafted) + 2 * cost.t_rtt
-        ready = max(0, int(window // cost.t_draft) - 1) if hit and cost.t_draft > 0 else 0
+        ready = cost.predrafted(drafted) if hit else 0
         generated += accepted + 1
     return OverlapEstimate(sequential_s=sequential, overlapped_s=overlapped, hits=hits, iterations=len(blocks),
                            free_tokens=free_total)
@@ -89,3 +88,19 @@ def estimate(records: Sequence[OracleRecord], replayed: Iterable[RecordReplay], 
                            overlapped_s=sum(p.overlapped_s for p in parts),
                            hits=sum(p.hits for p in parts), iterations=sum(p.iterations for p in parts),
                            free_tokens=sum(p.free_tokens for p in parts))
+
+
+def estimate_policy(records: RecordSet, spec: str, cost: CostModel, max_lookahead: int,
+                    honor_eos: bool = True) -> tuple[OverlapEstimate, int]:
+    """(estimate, generated tokens) of one policy spec under ``cost`` (its ``t_rtt`` is the
+    round trip the policy is told, as the orchestrator measures it live): sequential time
+    from a sequential session's replay, overlapped time, hits and free tokens from an
+    overlapped session's (the same blocks where the policy does not weigh overlap)."""
+    spec_with_costs = with_costs(spec, cost)
+    sequential = replay_policy(records, spec_with_costs, max_lookahead, honor_eos, name=spec)
+    overlapped = replay_policy(records, spec_with_costs, max_lookahead, honor_eos, name=spec, overlap=True)
+    result = estimate(records.records, overlapped.records, cost)
+    sequential_s = estimate(records.records, sequential.records, cost).sequential_s
+    return (OverlapEstimate(sequential_s=sequential_s, overlapped_s=result.overlapped_s, hits=result.hits,
+                            iterations=result.iterations, free_tokens=result.free_tokens),
+            sequential.totals()["generated_tokens"])

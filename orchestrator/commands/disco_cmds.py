@@ -261,7 +261,7 @@ def run_report(args: argparse.Namespace) -> int:
 def _overlap_estimate(args: argparse.Namespace, records, cost) -> list[dict]:
     """Sequential vs overlapped tokens/s per policy and round trip (printed and returned)."""
     from disco import replay  # noqa: PLC0415
-    from disco.overlap_estimate import estimate  # noqa: PLC0415
+    from disco.overlap_estimate import estimate_policy  # noqa: PLC0415
 
     try:
         rtts = [float(value) for value in args.overlap_rtt_ms.split(",")]
@@ -272,12 +272,10 @@ def _overlap_estimate(args: argparse.Namespace, records, cost) -> list[dict]:
     for spec in replay.expand_policies(args.policies):
         if spec == "none":
             continue
-        replayed = replay.replay_policy(records, replay.with_costs(spec, cost), name=spec,
-                                        max_lookahead=args.max_lookahead or replay.DEFAULT_REPLAY_LOOKAHEAD,
-                                        honor_eos=not args.ignore_eos)
-        tokens = replayed.totals()["generated_tokens"]
         for rtt in rtts:
-            result = estimate(records.records, replayed.records, cost.with_rtt(rtt / 1000))
+            result, tokens = estimate_policy(records, spec, cost.with_rtt(rtt / 1000),
+                                             args.max_lookahead or replay.DEFAULT_REPLAY_LOOKAHEAD,
+                                             honor_eos=not args.ignore_eos)
             row = {"policy": spec, "rtt_ms": rtt, "sequential_tokens_per_s": tokens / result.sequential_s,
                    "overlapped_tokens_per_s": tokens / result.overlapped_s, "gain": result.speedup,
                    "hit_rate": result.hit_rate, "free_tokens": result.free_tokens}
