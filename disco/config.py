@@ -13,8 +13,8 @@ MAX_LOOKAHEAD_LIMIT = 64
 #: The engines a model can run as; "int8" / "int4" are int8 / group-wise int4 weight-only
 #: with bfloat16 activations.
 ENGINE_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
-#: What ``--dtype`` accepts: an engine, or "auto" (bf16 where the hardware computes in it,
-#: else int8 for the target and int4 for the draft).
+#: What ``--dtype`` accepts: an engine, or "auto" (on a CPU int4 for the draft; for the
+#: target bf16 where the hardware computes in it, else int8; bf16 on CUDA).
 DTYPE_CHOICES = ("auto", *ENGINE_DTYPES)
 
 

@@ -7,9 +7,9 @@ import argparse
 from disco.config import DTYPE_CHOICES, ModelConfig, PairConfig
 from disco.platform import resolve_dtype_here
 
-DTYPE_HELP = ("engine: auto (default: bfloat16 on CUDA and on CPUs with AMX or AVX-512-BF16, else int8 for "
-              "the target and int4 for the draft), bfloat16, float16, float32 (to check exactness), int8 or int4 "
-              "(weight-only, bfloat16 activations)")
+DTYPE_HELP = ("engine: auto (default: bfloat16 on CUDA; on a CPU int4 for the draft and, for the target, "
+              "bfloat16 with AMX or AVX-512-BF16, else int8), bfloat16, float16, float32 (to check exactness), "
+              "int8 or int4 (weight-only, bfloat16 activations)")
 
 
 def add_dtype_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
