@@ -182,6 +182,8 @@ def test_int8_load_is_cached_and_the_cache_round_trips(tiny_pair_dirs, tmp_path,
     second = _load_int8(tiny_pair_dirs["target"], tmp_path)
     assert isinstance(second.model.lm_head, Int8Linear) and second.engine == "int8"
     assert not any(t.is_meta for t in [*second.model.parameters(), *second.model.buffers()])
+    # safetensors packs tensors back to back; the kernels get 64-byte aligned ones (AVX-512 crashed otherwise)
+    assert all(t.data_ptr() % quantize.KERNEL_ALIGNMENT == 0 for t in second.model.state_dict().values() if t.numel())
     assert torch.equal(_logits(first.model), _logits(second.model))
     assert second.fingerprint == first.fingerprint and second.tokenizer_hash == first.tokenizer_hash
     assert second.vocab_size == first.vocab_size
