@@ -28,9 +28,6 @@ from typing import Sequence
 
 from disco.errors import InvalidRequest
 
-#: Overlap: on a miss the draft finishes the forward in flight, half a draft forward on average.
-MISS_PENALTY_FORWARDS = 0.5
-
 
 @dataclass(frozen=True)
 class CostModel:
@@ -70,18 +67,6 @@ class CostModel:
         if self.t_draft <= 0:
             return 0
         return max(0, int((self.verify(k) + 2 * self.t_rtt) // self.t_draft) - 1)
-
-    def overlapped_block(self, k: int, hit_probability: float) -> float:
-        """Expected critical-path seconds of a ``k``-token block in a steady run of such
-        blocks with overlap on (draft and target on their own devices). With probability
-        ``hit_probability`` (whole block accepted and bonus guessed right) the next block's
-        first ``min(k, predrafted(k))`` tokens are ready: their forwards are taken off (the
-        saving is booked to the block that earned it); otherwise the draft first finishes the
-        forward in flight (:data:`MISS_PENALTY_FORWARDS`). :mod:`disco.overlap_estimate`
-        applies the same model to recorded outcomes."""
-        free = min(k, self.predrafted(k))
-        return (self.iteration(k, k) - hit_probability * free * self.t_draft
-                + (1.0 - hit_probability) * MISS_PENALTY_FORWARDS * self.t_draft)
 
     def with_rtt(self, t_rtt: float) -> "CostModel":
         return replace(self, t_rtt=float(t_rtt), source=f"{self.source} (rtt {t_rtt * 1000:g} ms)")

@@ -99,14 +99,13 @@ class DraftEngine:
                 raise InvalidRequest(f"{name} token ids must be in [0, {vocab_size})")
         sampling.validate()
         self.sessions.check_capacity()  # before paying for a prefill
-        overlap = self.overlap if overlap is None else overlap
-        policy = self.policy_factory.build(policy_spec, reference_ids, overlap=overlap)
+        policy = self.policy_factory.build(policy_spec, reference_ids)
         session = DraftSession(
             sequence=CachedSequence(self.model, prompt_ids),
             policy=policy,
             sampling=sampling,
             generator=make_generator(sampling.seed),
-            overlap=overlap,
+            overlap=self.overlap if overlap is None else overlap,
         )
         self.batcher.prefill(session.sequence)  # batched with concurrent prefills
         self.sessions.add(session_id, session)

@@ -21,11 +21,8 @@ Model (two devices, so drafting during verification takes nothing from the targe
 * **miss**: the pre-drafted tokens are discarded; the draft first finishes the forward in
   flight, on average half a draft forward added to the critical path.
 
-Block lengths are the replayed policy's (the stop policy runs on pre-drafted tokens too).
-A policy that weighs overlap (the rate rule of ``auto`` and ``disco:PATH`` under costs,
-:mod:`disco.policies.auto`) is replayed twice by :func:`estimate_policy`: as a sequential
-session for the sequential time and as an overlapped one for the overlapped time, as the
-draft service builds it. Greedy records only; sampling is not modelled.
+Block lengths are the replayed policy's, as if the stop policy decided the same way over
+pre-drafted tokens (it runs on them too). Greedy records only; sampling is not modelled.
 """
 
 from __future__ import annotations
@@ -33,10 +30,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from disco.cost_model import MISS_PENALTY_FORWARDS, CostModel
+from disco.cost_model import CostModel
 from disco.oracle_records import OracleRecord, RecordSet
 from disco.policies.auto import with_costs
 from disco.replay import RecordReplay, replay_policy
+
+#: On a miss the draft finishes the forward in flight: half a draft forward on average.
+MISS_PENALTY_FORWARDS = 0.5
+
 
 @dataclass(frozen=True)
 class OverlapEstimate:
@@ -92,15 +93,7 @@ def estimate(records: Sequence[OracleRecord], replayed: Iterable[RecordReplay], 
 
 def estimate_policy(records: RecordSet, spec: str, cost: CostModel, max_lookahead: int,
                     honor_eos: bool = True) -> tuple[OverlapEstimate, int]:
-    """(estimate, generated tokens) of one policy spec under ``cost`` (its ``t_rtt`` is the
-    round trip the policy is told, as the orchestrator measures it live): sequential time
-    from a sequential session's replay, overlapped time, hits and free tokens from an
-    overlapped session's (the same blocks where the policy does not weigh overlap)."""
-    spec_with_costs = with_costs(spec, cost)
-    sequential = replay_policy(records, spec_with_costs, max_lookahead, honor_eos, name=spec)
-    overlapped = replay_policy(records, spec_with_costs, max_lookahead, honor_eos, name=spec, overlap=True)
-    result = estimate(records.records, overlapped.records, cost)
-    sequential_s = estimate(records.records, sequential.records, cost).sequential_s
-    return (OverlapEstimate(sequential_s=sequential_s, overlapped_s=result.overlapped_s, hits=result.hits,
-                            iterations=result.iterations, free_tokens=result.free_tokens),
-            sequential.totals()["generated_tokens"])
+    """(estimate, generated tokens) of one policy spec replayed under ``cost``, whose
+    ``t_rtt`` the policy is told too (as the orchestrator measures it live)."""
+    replayed = replay_policy(records, with_costs(spec, cost), max_lookahead, honor_eos, name=spec)
+    return estimate(records.records, replayed.records, cost), replayed.totals()["generated_tokens"]

@@ -146,9 +146,8 @@ PolicyBuilder = Callable[[OracleRecord], StopPolicy]
 
 
 def policy_builder(spec: str, factory: PolicyFactory | None = None, eos_token_ids: Sequence[int] = (),
-                   honor_eos: bool = True, max_new_tokens: int | None = None, overlap: bool = False) -> PolicyBuilder:
-    """A per-record policy constructor for a spec (the oracle gets the record's reference;
-    ``overlap``: as a draft service that pre-drafts builds it, :meth:`PolicyFactory.build`)."""
+                   honor_eos: bool = True, max_new_tokens: int | None = None) -> PolicyBuilder:
+    """A per-record policy constructor for a spec (the oracle gets the record's reference)."""
     parse_policy_spec(spec)
     factory = factory or PolicyFactory(_learned_loader())
 
@@ -157,7 +156,7 @@ def policy_builder(spec: str, factory: PolicyFactory | None = None, eos_token_id
             limit = max_new_tokens or len(record.continuation)
             end = generated_length(record, limit, eos_token_ids, honor_eos)
             return OraclePolicy([int(t) for t in record.continuation[:end]])
-        return factory.build(spec, overlap=overlap)
+        return factory.build(spec)
     return build
 
 
@@ -190,12 +189,12 @@ class PolicyReplay:
 def replay_policy(records: RecordSet, build: PolicyBuilder | str, max_lookahead: int = DEFAULT_REPLAY_LOOKAHEAD,
                   honor_eos: bool = True, max_new_tokens: int | None = None, name: str | None = None,
                   observer_factory: Callable[[], ReplayObserver] | None = None,
-                  with_hidden: bool = False, overlap: bool = False) -> PolicyReplay:
+                  with_hidden: bool = False) -> PolicyReplay:
     max_new_tokens = max_new_tokens or records.max_new_tokens
     if isinstance(build, str):
         name = name or build
         build = policy_builder(build, eos_token_ids=records.eos_token_ids, honor_eos=honor_eos,
-                               max_new_tokens=max_new_tokens, overlap=overlap)
+                               max_new_tokens=max_new_tokens)
     results = [replay_record(record, build(record), max_new_tokens, max_lookahead, records.eos_token_ids,
                              honor_eos, observer_factory() if observer_factory else None, with_hidden)
                for record in records.records]

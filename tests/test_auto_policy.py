@@ -78,32 +78,6 @@ def test_a_verification_window_holds_the_next_blocks_first_tokens():
     # the draft has t_verify(k) + 2 rtt: one forward for the guessed bonus token, then drafts
     assert [PINNED_RTT20.predrafted(k) for k in (1, 2, 3)] == [1, 2, 2]  # 363 / 420 / 483 ms over 128.5 ms
     assert PINNED_RTT20.with_rtt(0).predrafted(1) == 1  # 323 ms: the guess and one token
-    # a block of 2 hit with probability 0.857: 2 forwards of the next block saved, else half a forward lost
-    assert PINNED_RTT20.overlapped_block(2, 0.857) == pytest.approx(
-        2 * 0.1285 + 0.380 + 0.040 - 0.857 * 2 * 0.1285 + 0.143 * 0.5 * 0.1285)
-    assert PINNED_RTT20.overlapped_block(2, 0.0) > PINNED_RTT20.iteration(2, 2)  # never a hit: only the penalty
-
-
-def test_with_overlap_the_rate_rule_weighs_critical_path_seconds():
-    """p = 0.95 per token. Sequential rates (tokens / s) for blocks of 1-4 under
-    PINNED_RTT20: 3.97, 4.21, 4.27, 3.62 -> 3 tokens. Overlapped (a hit frees
-    min(k, predrafted(k)) forwards of the next block): 5.11, 6.12, 5.53, 5.24 -> 2 tokens,
-    whose window (420 ms) pre-drafts the whole next block of 2."""
-    policy = PolicyFactory(make_learned_loader()).build(f"disco:default@{encode_costs(PINNED_RTT20)}")
-    assert isinstance(policy, AutoPolicy) and policy.rate_rule and not policy.overlap
-    overlapped = PolicyFactory(make_learned_loader()).build(f"disco:default@{encode_costs(PINNED_RTT20)}",
-                                                             overlap=True)
-    assert isinstance(overlapped, AutoPolicy) and overlapped.overlap
-
-    def block_length(rule: AutoPolicy, probability: float = 0.95, max_lookahead: int = 8) -> int:
-        rule.begin_block(max_lookahead)
-        drafted = 1
-        while drafted < max_lookahead and rule.marginal_beats_block(drafted, probability):
-            drafted += 1
-        return drafted
-
-    assert block_length(policy) == 3
-    assert block_length(overlapped) == 2
 
 
 def test_the_cap_follows_the_session_acceptance():

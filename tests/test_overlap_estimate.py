@@ -58,27 +58,21 @@ def test_replay_runs_a_bare_auto_with_its_cost_model():
     assert decode_costs(spec, parse_policy_spec(spec).argument).t_verify == pytest.approx(COST.t_verify)
 
 
-def test_the_overlapped_estimate_replays_the_policy_as_an_overlapped_session(monkeypatch):
-    """A policy that weighs overlap is built for an overlapped session (as the draft
-    service builds it) for the overlapped time, and for a sequential one for the sequential
-    time (disco.overlap_estimate.estimate_policy)."""
+def test_a_policy_is_replayed_with_the_round_trip_it_is_told(monkeypatch):
+    """``estimate_policy`` replays the spec under the estimate's costs, round trip included
+    (the orchestrator measures it live and sends it with ``auto``/``disco:PATH``)."""
     from disco import overlap_estimate
-    from disco.policies import PolicyFactory
-    from disco.replay import policy_builder
 
-    assert policy_builder("auto", PolicyFactory(), overlap=True)(None).overlap is True
-    assert policy_builder("auto", PolicyFactory())(None).overlap is False
-    record = SimpleNamespace(matches=np.ones(16, dtype=bool), continuation=[1] * 8)
-    replays = {False: _replay([(2, 2, 2)] * 3), True: _replay([(3, 3, 3)] * 2)}
-    calls = []
+    record = SimpleNamespace(matches=np.ones(16, dtype=bool))
+    replayed = _replay([(3, 3, 3)] * 3)
+    specs = []
 
-    def fake_replay(records, spec, max_lookahead, honor_eos, name=None, overlap=False):
-        calls.append((spec, overlap))
-        return SimpleNamespace(records=[replays[overlap]], totals=lambda: {"generated_tokens": 9})
+    def fake_replay(records, spec, max_lookahead, honor_eos, name=None):
+        specs.append(spec)
+        return SimpleNamespace(records=[replayed], totals=lambda: {"generated_tokens": 12})
 
     monkeypatch.setattr(overlap_estimate, "replay_policy", fake_replay)
-    result, tokens = overlap_estimate.estimate_policy(SimpleNamespace(records=[record]), "auto", COST, 8)
-    assert [overlap for _, overlap in calls] == [False, True] and calls[0][0].startswith("auto:td=")
-    assert tokens == 9
-    assert result.sequential_s == pytest.approx(estimate([record], [replays[False]], COST).sequential_s)
-    assert result.overlapped_s == pytest.approx(estimate([record], [replays[True]], COST).overlapped_s)
+    far = COST.with_rtt(0.02)
+    result, tokens = overlap_estimate.estimate_policy(SimpleNamespace(records=[record]), "auto", far, 8)
+    assert specs[0].startswith("auto:td=") and specs[0].endswith("rtt=20") and tokens == 12
+    assert result == estimate([record], [replayed], far)

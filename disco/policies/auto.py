@@ -21,14 +21,6 @@ one-token forwards and no draft pays; int8 weight-only lies in between (short dr
   artifact's tuned threshold is not used). The costs, not a threshold tuned for another
   machine, set how long blocks get: long where verification is nearly free (GPU), short
   where it is not (int8 on AVX2);
-* with overlap on (the draft service pre-drafts the next block while the target
-  verifies, :mod:`disco.predraft`) the rate rule weighs blocks by their critical-path
-  seconds instead (:meth:`CostModel.overlapped_block`): a block of j accepted in full
-  with a right guess of the bonus token (probability ``C_{j-1} * p``, the next token
-  assumed as likely as the last) lets the next block start with the tokens pre-drafted
-  during its verification, so blocks whose verification window covers the next block's
-  first tokens pay more than the sequential rule thinks. The draft service tells the
-  policy whether its session overlaps (:class:`~disco.policies.spec.PolicyFactory`);
 * with another stop rule (an artifact of another label, or the confidence fallback), the
   draft side caps the lookahead at the k that maximises the expected speedup for the
   session's running acceptance rate (:func:`best_lookahead`) and the rule stops earlier.
@@ -116,10 +108,9 @@ class AutoPolicy(StopPolicy):
     stop rule under a :func:`best_lookahead` cap for the session's running acceptance rate;
     plain DISCO when no costs are known."""
 
-    def __init__(self, disco: StopPolicy, cost: CostModel | None, overlap: bool = False) -> None:
+    def __init__(self, disco: StopPolicy, cost: CostModel | None) -> None:
         self.disco = disco
         self.cost = cost
-        self.overlap = overlap  # the session pre-drafts during verification: weigh critical-path seconds
         self.needs_signals = disco.needs_signals
         self.needs_hidden = disco.needs_hidden
         self.accepted, self.rejected = PRIOR_ACCEPTED, PRIOR_REJECTED
@@ -160,23 +151,18 @@ class AutoPolicy(StopPolicy):
         assert cost is not None
         self._block_accepted *= probability
         self._block_tokens += self._block_accepted
+        rate = self._block_tokens / self._seconds(drafted)
         tokens, accepted = self._block_tokens, self._block_accepted
-        rate = tokens / self._seconds(drafted, accepted * probability)
         for longer in range(drafted + 1, max(self._budget, drafted + 1) + 1):
             accepted *= probability
             tokens += accepted
-            if tokens / self._seconds(longer, accepted * probability) > rate:
+            if tokens / self._seconds(longer) > rate:
                 return True
         return False
 
-    def _seconds(self, drafted: int, hit_probability: float) -> float:
-        """Seconds of a block of ``drafted`` tokens: its iteration, or with overlap its
-        critical-path share given the chance ``hit_probability`` that it is accepted in full
-        and its bonus token guessed right."""
+    def _seconds(self, drafted: int) -> float:
         cost = self.cost
         assert cost is not None
-        if self.overlap:
-            return cost.overlapped_block(drafted, hit_probability)
         return drafted * cost.t_draft + cost.verify(drafted) + 2 * cost.t_rtt
 
     def on_feedback(self, num_drafted: int, num_accepted: int) -> None:
@@ -219,8 +205,7 @@ def split_disco_argument(spec: str, argument: str) -> tuple[str, CostModel | Non
     return path, cost
 
 
-def auto_factory(spec: str, argument: str, disco_factory: Callable[[], StopPolicy],
-                 overlap: bool = False) -> Callable[[], StopPolicy]:
+def auto_factory(spec: str, argument: str, disco_factory: Callable[[], StopPolicy]) -> Callable[[], StopPolicy]:
     """Per-session :class:`AutoPolicy` factory for the spec ``auto[:costs]``."""
     cost = decode_costs(spec, argument)
-    return lambda: AutoPolicy(disco_factory(), cost, overlap)
+    return lambda: AutoPolicy(disco_factory(), cost)

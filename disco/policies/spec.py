@@ -153,10 +153,7 @@ class PolicyFactory:
                 logger.info("auto: %s; using confidence:%g instead", error, AUTO_FALLBACK_CONFIDENCE)
         return lambda: ConfidencePolicy(AUTO_FALLBACK_CONFIDENCE)
 
-    def build(self, spec: str, reference_ids: Sequence[int] | None = None, overlap: bool = False) -> StopPolicy:
-        """``overlap``: the session pre-drafts during verification (the draft service says
-        so), which the rate rule of ``auto:COSTS`` and ``disco:PATH@COSTS`` weighs
-        (:mod:`disco.policies.auto`); other policies ignore it."""
+    def build(self, spec: str, reference_ids: Sequence[int] | None = None) -> StopPolicy:
         parsed = parse_policy_spec(spec)
         name, argument = parsed.name, parsed.argument
         if name == "none":
@@ -176,12 +173,12 @@ class PolicyFactory:
                 raise InvalidRequest("the oracle policy needs the target's reference output (in-process analysis only)")
             return OraclePolicy(reference_ids)
         if name == "auto":
-            return auto_factory(parsed.text, argument, self._auto_stop_rule(), overlap)()
+            return auto_factory(parsed.text, argument, self._auto_stop_rule())()
         if name == "disco":
             if self._learned_loader is None:
                 raise InvalidRequest(f"policy {parsed.text!r} needs a trained DISCO artifact, "
                                      "but this drafter has no artifact loader")
             path, cost = split_disco_argument(parsed.text, argument)
             policy = self._learned_loader(path)()
-            return AutoPolicy(policy, cost, overlap) if cost is not None else policy
+            return AutoPolicy(policy, cost) if cost is not None else policy
         raise AssertionError(f"unhandled policy {name}")  # parse_policy_spec rejects the rest
