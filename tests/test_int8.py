@@ -254,7 +254,7 @@ def test_explicit_dtype_is_kept(dtype):
 
 
 @pytest.mark.parametrize("flags, expected, draft_expected", [({"avx2"}, "int8", "int4"),
-                                                             ({"amx_bf16"}, "bfloat16", "bfloat16")])
+                                                             ({"amx_bf16"}, "bfloat16", "int4")])
 def test_cli_resolves_auto_once_at_the_entry_point(monkeypatch, flags, expected, draft_expected):
     import disco.platform
     from orchestrator.cli import build_parser
