@@ -9,11 +9,13 @@ the source of truth for the request.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import logging
 import secrets
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterator, Sequence, Union
 
@@ -71,16 +73,20 @@ class SpeculativeGenerator:
         eos_token_ids: Sequence[int],
         max_new_tokens_limit: int | None = None,
         costs: CostModel | None = None,
+        parallel_prefill: bool = False,
     ) -> None:
         """``costs``: the measured engine costs of this deployment; ``auto`` and ``disco:``
         policies read them (:func:`disco.policies.auto.with_costs`; without them both are
-        DISCO at the artifact's tuned threshold)."""
+        DISCO at the artifact's tuned threshold). ``parallel_prefill``: start the draft and
+        the target session at once (the orchestrator's services run on their own devices;
+        in one process they would share the cores, so the in-process pipeline leaves it off)."""
         self.drafter = drafter
         self.verifier = verifier
         self.decode = decode
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_new_tokens_limit = max_new_tokens_limit
         self.costs = costs
+        self.parallel_prefill = parallel_prefill
 
     def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
                  speculation: SpeculationConfig) -> GenerationResult:
@@ -142,13 +148,17 @@ class SpeculativeGenerator:
         sessions_started: list = []
         try:
             # 1. Prefill: one session in each service.
-            self.verifier.start_session(session_id, prompt_ids, target_sampling)
-            sessions_started.append(self.verifier)
-            if uses_draft:
-                assert self.drafter is not None
-                sessions_started.append(self.drafter)
-                uses_draft = self._start_draft(session_id, prompt_ids, draft_sampling, speculation,
-                                               reference_ids, stats)
+            if uses_draft and self.parallel_prefill:
+                uses_draft = self._prefill_at_once(session_id, prompt_ids, target_sampling, draft_sampling,
+                                                   speculation, reference_ids, stats, sessions_started)
+            else:
+                self.verifier.start_session(session_id, prompt_ids, target_sampling)
+                sessions_started.append(self.verifier)
+                if uses_draft:
+                    assert self.drafter is not None
+                    sessions_started.append(self.drafter)
+                    uses_draft = self._start_draft(session_id, prompt_ids, draft_sampling, speculation,
+                                                   reference_ids, stats)
             stats.prefill_s = time.perf_counter() - started
             feedback: Feedback | None = None
             while not finish_reason:
@@ -222,6 +232,22 @@ class SpeculativeGenerator:
                                stats=stats)
 
     # -- draft side helpers: a failing draft service never fails the request ------------
+
+    def _prefill_at_once(self, session_id: str, prompt_ids: list[int], target_sampling: SamplingParams,
+                         draft_sampling: SamplingParams, speculation: SpeculationConfig,
+                         reference_ids: list[int] | None, stats: RequestStats, sessions_started: list) -> bool:
+        """Both prefills at once: the draft session starts in a worker thread while this
+        one starts the target's. Returns whether the draft session runs (as
+        :meth:`_start_draft`). Either service's error propagates once both calls are over,
+        with every started session in ``sessions_started`` for the caller to end."""
+        assert self.drafter is not None
+        sessions_started.append(self.drafter)  # ended by the caller whatever happens (ending is idempotent)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-prefill") as pool:
+            draft = pool.submit(contextvars.copy_context().run, self._start_draft, session_id, prompt_ids,
+                                draft_sampling, speculation, reference_ids, stats)
+            self.verifier.start_session(session_id, prompt_ids, target_sampling)  # on error: waits for the draft
+            sessions_started.append(self.verifier)
+        return draft.result()
 
     def _start_draft(self, session_id: str, token_ids: list[int], sampling: SamplingParams,
                      speculation: SpeculationConfig, reference_ids: list[int] | None, stats: RequestStats) -> bool:

@@ -123,7 +123,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             drafter = UnreachableDrafter(draft_down) if draft_down else DegradingDrafter(sticky_drafter)
             generator = SpeculativeGenerator(drafter, verifier, self._locked_decode, target.eos_token_ids,
                                              self.limits.max_new_tokens,
-                                             costs=self.backends.costs() if reads_costs(speculation.policy) else None)
+                                             costs=self.backends.costs() if reads_costs(speculation.policy) else None,
+                                             parallel_prefill=True)  # the services have their own devices
             events = generator.stream(prompt_ids, sampling, speculation)
             yield from self.metrics.observe(_with_failovers(events, sticky_drafter, verifier))
 

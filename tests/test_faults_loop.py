@@ -130,3 +130,65 @@ def test_lost_target_session_is_reprefilled_with_a_fresh_seed_when_sampling(targ
     committed = again_len - first_len
     assert committed > 0 and again_budget == 24 - committed
     assert again_seed == SamplingParams(seed=first_seed).resumed_after(committed).seed != first_seed
+
+
+class SlowStart:
+    """Wraps a real drafter or verifier: ``start_session`` takes ``delay`` s longer (a
+    prefill on another device), and records when it ran; optionally it then fails."""
+
+    def __init__(self, inner, delay, fail=None):
+        self.inner, self.delay, self.fail, self.spans = inner, delay, fail, []
+
+    def start_session(self, *args, **kwargs):
+        import time
+
+        began = time.monotonic()
+        time.sleep(self.delay)
+        try:
+            if self.fail is not None:
+                raise self.fail
+            return self.inner.start_session(*args, **kwargs)
+        finally:
+            self.spans.append((began, time.monotonic()))
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_parallel_prefill_starts_both_sessions_at_once_and_stays_exact(target_model, drafts, tokenizer):
+    """The orchestrator's loop (parallel_prefill) prefills the draft while the target
+    prefills: the two start_session calls overlap in time, the output is target-only's."""
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    generator = local_generator(target_model, drafts["noisy"], tokenizer)
+    generator.parallel_prefill = True
+    generator.drafter = SlowStart(generator.drafter, 0.3)
+    generator.verifier = SlowStart(generator.verifier, 0.3)
+    result = generator.generate(ids, SAMPLING, SpeculationConfig("static:4"))
+    assert result.token_ids == _reference(target_model, tokenizer, ids)
+    (draft_began, draft_ended), (target_began, target_ended) = generator.drafter.spans[0], generator.verifier.spans[0]
+    assert draft_began < target_ended and target_began < draft_ended  # the two prefills overlapped
+    assert result.stats.draft_tokens > 0
+
+
+def test_parallel_prefill_failures_end_every_session(target_model, drafts, tokenizer):
+    """A target that fails while the draft prefills: the error reaches the caller once the
+    draft call is over, and the draft session is ended (none leaks). A draft service that
+    is down: the request goes on target-only, exact."""
+    import pytest
+
+    from disco.errors import ModelError
+
+    ids = tokenizer(PROMPTS[1])["input_ids"]
+    generator = local_generator(target_model, drafts["noisy"], tokenizer)
+    generator.parallel_prefill = True
+    engine = generator.drafter
+    generator.drafter = SlowStart(engine, 0.2)
+    generator.verifier = SlowStart(generator.verifier, 0.0, fail=ModelError("target prefill failed"))
+    with pytest.raises(ModelError, match="target prefill failed"):
+        generator.generate(ids, SAMPLING, SpeculationConfig("static:4"))
+    assert generator.drafter.spans and engine.active_sessions() == 0
+    generator.verifier = generator.verifier.inner
+    generator.drafter = SlowStart(engine, 0.0, fail=Unavailable("draft service down"))
+    result = generator.generate(ids, SAMPLING, SpeculationConfig("static:4"))
+    assert result.token_ids == _reference(target_model, tokenizer, ids) and result.stats.draft_fallbacks == 1
+    assert engine.active_sessions() == 0
