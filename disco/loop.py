@@ -243,11 +243,15 @@ class SpeculativeGenerator:
         assert self.drafter is not None
         sessions_started.append(self.drafter)  # ended by the caller whatever happens (ending is idempotent)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-prefill") as pool:
-            draft = pool.submit(contextvars.copy_context().run, self._start_draft, session_id, prompt_ids,
-                                draft_sampling, speculation, reference_ids, stats)
+            draft = pool.submit(contextvars.copy_context().run, self.drafter.start_session, session_id, prompt_ids,
+                                draft_sampling, speculation.policy, reference_ids, overlap=speculation.overlap)
             self.verifier.start_session(session_id, prompt_ids, target_sampling)  # on error: waits for the draft
             sessions_started.append(self.verifier)
-        return draft.result()
+        try:  # the outcome is handled here, in the request's thread (its stats, its log context)
+            draft.result()
+            return True
+        except Unavailable as error:
+            return self._draft_failed(session_id, error, stats)
 
     def _start_draft(self, session_id: str, token_ids: list[int], sampling: SamplingParams,
                      speculation: SpeculationConfig, reference_ids: list[int] | None, stats: RequestStats) -> bool:

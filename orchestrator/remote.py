@@ -116,6 +116,7 @@ class RemoteDrafter:
     def start_session(self, session_id: str, prompt_ids: Sequence[int], sampling: SamplingParams,
                       policy_spec: str, reference_ids: Sequence[int] | None = None,
                       overlap: bool | None = None) -> PrefillResult:
+        set_log_fields(session_id=session_id)  # also where the draft's prefill runs beside the target's
         request = draft_pb2.StartDraftSessionRequest(
             session_id=session_id, prompt_ids=list(prompt_ids), sampling=convert.sampling_to_pb(sampling),
             policy=policy_spec, reference_ids=list(reference_ids or ()), overlap=overlap)
