@@ -69,17 +69,6 @@ def test_the_rate_rule_drafts_while_one_more_token_raises_the_block_rate():
     assert block_length(FREE_VERIFY, 0.995) == 20
 
 
-# One core each for the draft and the target on the AVX2 machine (docs/bench/overlap/
-# cost_model_pinned_1thread.json), 20 ms per round trip.
-PINNED_RTT20 = CostModel(t_draft=0.1285, t_verify=(0.276, 0.323, 0.380, 0.443, 0.693), t_rtt=0.020)
-
-
-def test_a_verification_window_holds_the_next_blocks_first_tokens():
-    # the draft has t_verify(k) + 2 rtt: one forward for the guessed bonus token, then drafts
-    assert [PINNED_RTT20.predrafted(k) for k in (1, 2, 3)] == [1, 2, 2]  # 363 / 420 / 483 ms over 128.5 ms
-    assert PINNED_RTT20.with_rtt(0).predrafted(1) == 1  # 323 ms: the guess and one token
-
-
 def test_the_cap_follows_the_session_acceptance():
     """Without DISCO's conditional probabilities (here the confidence fallback), the block
     is capped by the best lookahead for the session's running acceptance rate."""

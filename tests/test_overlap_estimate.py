@@ -17,6 +17,17 @@ def _replay(blocks):
     return RecordReplay(stats=RequestStats(), blocks=list(blocks))
 
 
+# One core each for the draft and the target on the AVX2 machine (docs/bench/overlap/
+# cost_model_pinned_1thread.json), 20 ms per round trip.
+PINNED_RTT20 = CostModel(t_draft=0.1285, t_verify=(0.276, 0.323, 0.380, 0.443, 0.693), t_rtt=0.020)
+
+
+def test_a_verification_window_holds_the_next_blocks_first_tokens():
+    # the draft has t_verify(k) + 2 rtt: one forward for the guessed bonus token, then drafts
+    assert [PINNED_RTT20.predrafted(k) for k in (1, 2, 3)] == [1, 2, 2]  # 363 / 420 / 483 ms over 128.5 ms
+    assert PINNED_RTT20.with_rtt(0).predrafted(1) == 1  # 323 ms: the guess and one token
+
+
 def test_full_blocks_with_a_right_guess_take_the_next_block_off_the_critical_path():
     # Two blocks of 3, both accepted in full; the draft's token at the bonus position (index 3) matches.
     record = SimpleNamespace(matches=np.ones(16, dtype=bool))
