@@ -23,7 +23,7 @@ from disco.interfaces import DraftEvent, Feedback, PrefillResult, VerifyResult
 from protos import convert
 from protos.disco.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from protos.logs import set_log_fields
-from protos.runtime import Cancelled, error_from_rpc
+from protos.runtime import Cancelled, DeadlineExceeded, error_from_rpc
 
 #: Longest a backend call may take when the request has no deadline.
 DEFAULT_CALL_TIMEOUT_S = 300.0
@@ -58,7 +58,7 @@ class CallScope:
             return self.call_timeout_s
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
-            raise Cancelled("the request's deadline passed")
+            raise DeadlineExceeded("the request's deadline passed")
         return min(remaining, self.call_timeout_s)
 
     def cancel(self) -> None:
@@ -102,6 +102,9 @@ class CallScope:
     def _error(self, error: grpc.RpcError, service: str) -> Exception:
         if error.code() == grpc.StatusCode.CANCELLED and self.cancelled:
             return Cancelled("the request was cancelled")
+        if (error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self.deadline is not None
+                and time.monotonic() >= self.deadline):
+            return DeadlineExceeded("the request's deadline passed")
         return error_from_rpc(error, service)
 
 

@@ -82,7 +82,12 @@ GENERIC_INTERNAL_MESSAGE = "internal server error (the server log has the detail
 
 
 class Cancelled(DiscoError):
-    """The caller cancelled the request (or its deadline passed) while it ran."""
+    """The caller cancelled the request while it ran."""
+
+
+class DeadlineExceeded(Cancelled):
+    """The request's deadline passed while it ran (the client sees ``DEADLINE_EXCEEDED``,
+    whichever side notices first)."""
 
 
 #: Domain error -> status code, most specific first. Anything else is INTERNAL.
@@ -92,6 +97,7 @@ STATUS_BY_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
     (ModelError, grpc.StatusCode.FAILED_PRECONDITION),
+    (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
     (Cancelled, grpc.StatusCode.CANCELLED),
 )
 

@@ -15,7 +15,9 @@ from orchestrator.client import DiscoClient, DiscoRpcError
 from orchestrator.servicer import SERVICE_NAME, OrchestratorLimits, OrchestratorServicer
 from protos import convert
 from protos.disco.v1 import common_pb2, draft_pb2, draft_pb2_grpc, orchestrator_pb2_grpc, target_pb2, target_pb2_grpc
-from protos.runtime import start_server
+from disco.errors import Unavailable
+from orchestrator.remote import CallScope
+from protos.runtime import Cancelled, DeadlineExceeded, start_server, status_for
 from tests.grpc_fixtures import free_port, grpc_stacks, loaded, start_orchestrator  # noqa: F401 - fixture
 from tests.helpers import PROMPTS
 
@@ -150,6 +152,36 @@ def test_deadline_is_honoured_and_frees_every_session(grpc_stacks):
     assert time.monotonic() - started < 2.0
     assert stack.wait_idle() == {"orchestrator": 0, "draft": 0, "target": 0}
     client.close()
+
+
+def test_a_passed_deadline_is_deadline_exceeded_whichever_side_notices():
+    """The orchestrator may notice the deadline before the client's own timer fires: its
+    answer must then be DEADLINE_EXCEEDED too (not CANCELLED, which is the client's act)."""
+    scope = CallScope(deadline=time.monotonic() - 0.01)
+    with pytest.raises(DeadlineExceeded) as raised:
+        scope.timeout()
+    assert status_for(raised.value)[0] == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    class TimedOut(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+
+        def details(self):
+            return "Deadline Exceeded"
+
+    def backend_timed_out(timeout):
+        raise TimedOut()
+
+    with pytest.raises(DeadlineExceeded):  # the backend call was cut by the request's deadline
+        CallScope(deadline=time.monotonic() + 0.005).call(lambda t: (time.sleep(0.01), backend_timed_out(t)),
+                                                         "target service")
+    with pytest.raises(Unavailable):  # cut by the per-call cap, with the request's time left
+        CallScope(deadline=time.monotonic() + 60).call(backend_timed_out, "target service")
+    scope = CallScope()
+    scope.cancel()
+    with pytest.raises(Cancelled) as raised:
+        scope.timeout()
+    assert status_for(raised.value)[0] == grpc.StatusCode.CANCELLED
 
 
 def test_backend_down_is_unavailable_fast(grpc_stacks, tokenizer):
