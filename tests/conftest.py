@@ -1,3 +1,7 @@
+import os
+import shutil
+import tempfile
+
 from disco.platform import tune_cpu_math_env
 
 tune_cpu_math_env()  # before torch is imported, as the CLI does
@@ -8,6 +12,17 @@ import torch  # noqa: E402
 from tests import tiny
 
 torch.set_num_threads(1)  # tiny models: threads only add overhead
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The default run (slow tests deselected) is hermetic: what the code caches under
+    ``$DISCO_HOME`` (engine costs, records, converted models) goes to a temporary folder,
+    which the server processes the tests start inherit. ``-m slow`` keeps the real home:
+    those tests need the converted default pair."""
+    if "not slow" in (config.getoption("markexpr") or ""):
+        home = tempfile.mkdtemp(prefix="disco_home_")
+        config.add_cleanup(lambda: shutil.rmtree(home, ignore_errors=True))
+        os.environ["DISCO_HOME"] = home
 
 
 @pytest.fixture(scope="session")
