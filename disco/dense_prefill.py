@@ -13,7 +13,9 @@ and 4 bytes per weight more memory).
 least :data:`DENSE_MIN_ROWS` tokens (:func:`dense_prefill`); each weight-only linear splits
 its rows with :func:`split_rows`. Each span is multiplied on its own, so its bits depend on
 its own rows only (a prefill gives the same cache alone and batched); decoding and
-verification rows always take the row-invariant quantized kernel.
+verification rows always take the row-invariant quantized kernel. The row-stable bf16/fp16
+linears (:mod:`disco.row_stable`) split the same way: a span is one plain call instead of
+32-row chunks.
 """
 
 from __future__ import annotations

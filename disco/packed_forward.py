@@ -99,7 +99,8 @@ def packed_forward(model: torch.nn.Module, sessions: Sequence[SessionRows]
     # A ready-made 4D mask is passed through untouched by transformers' mask builders, so
     # no mask is built for the packed row; the attention applies each session's own mask.
     unused_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=input_ids.device)
-    # Long prefill blocks take the int8 engine's dense GEMM (no effect on other engines).
+    # Long prefill blocks are multiplied on their own: the weight-only engines' dense GEMM,
+    # the row-stable linears' one plain call (no effect on other engines).
     dense = [(span.start, span.end) for span in packed_cache.spans
              if not span.one_query_at_a_time and span.end - span.start >= DENSE_MIN_ROWS]
     # 1. One forward of the decoder over the packed row; attention per session.

@@ -22,9 +22,9 @@ from disco.draft_engine import DraftEngine
 from disco.interfaces import DraftToken, Feedback
 from disco.kv import CachedSequence
 from disco.policies import PolicyFactory
-from disco.dense_prefill import DENSE_MIN_ROWS
+from disco.dense_prefill import DENSE_MIN_ROWS, dense_prefill
 from disco.quantize import quantize_model
-from disco.row_stable import stabilize, stable_linear
+from disco.row_stable import RowStableLinear, stabilize, stable_linear
 from disco.target_engine import TargetEngine
 
 VOCAB = 512
@@ -86,6 +86,32 @@ def test_row_stable_calls_cut_rows_into_calls_of_two_or_more():
         assert calls == [4, 4, 2]  # a last chunk of one row too
     finally:
         torch.nn.functional.linear = original
+
+
+def test_row_stable_linears_multiply_a_long_prefill_block_in_one_call_of_its_own_rows():
+    """A prefill span (disco.dense_prefill) is one plain call of exactly its rows: its bits
+    depend on the block alone (same cache solo and batched) and the weights are read once;
+    the rows around it (decoding, verification, short prefills) keep the row-stable calls."""
+    linear = torch.nn.Linear(4, 8)
+    linear.__class__, linear.max_rows = RowStableLinear, 4
+    rows = torch.randn(3 + DENSE_MIN_ROWS + 5, 4)
+    calls = []
+    original = torch.nn.functional.linear
+
+    def record(x, w, b):
+        calls.append(x.shape[0])
+        return original(x, w, b)
+
+    torch.nn.functional.linear = record
+    try:
+        with torch.inference_mode(), dense_prefill([(3, 3 + DENSE_MIN_ROWS)]):
+            out = linear(rows)
+    finally:
+        torch.nn.functional.linear = original
+    assert calls == [3, DENSE_MIN_ROWS, 4, 1 + 1]  # the last chunk of one row gets a zero row
+    with torch.inference_mode():
+        assert torch.equal(out[3: 3 + DENSE_MIN_ROWS], original(rows[3: 3 + DENSE_MIN_ROWS], linear.weight, linear.bias))
+        torch.testing.assert_close(out, original(rows, linear.weight, linear.bias))
 
 
 class _Shadow:
