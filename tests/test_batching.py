@@ -8,7 +8,7 @@ import torch
 from disco.batching import ForwardBatcher
 from disco.config import SamplingParams, SpeculationConfig
 from disco.kv import CachedSequence
-from tests.helpers import local_generator
+from tests.helpers import generate_at_once, local_generator
 
 PROMPTS = ([5, 9, 11, 40, 7, 3], [8, 100, 22], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
 PENDING = ([17, 18], [19], [20, 21, 22])
@@ -50,20 +50,7 @@ def test_concurrent_sessions_are_batched_and_exact(target_model, drafts, tokeniz
     target_only = [generator.generate(ids, sampling, SpeculationConfig(policy="none")).token_ids for ids, _ in jobs]
     assert alone == target_only
     generator.verifier.batcher.batch_sizes.clear()
-    results = [None] * len(jobs)
-    barrier = threading.Barrier(len(jobs))
-
-    def worker(index):
-        barrier.wait()
-        ids, policy = jobs[index]
-        results[index] = generator.generate(ids, sampling, SpeculationConfig(policy=policy)).token_ids
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(jobs))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    assert results == alone
+    assert generate_at_once(generator, jobs, sampling) == alone
     assert max(generator.verifier.batcher.batch_sizes) > 1, "concurrent verifications were never batched"
     assert generator.verifier.active_sessions() == 0 and generator.drafter.active_sessions() == 0
 

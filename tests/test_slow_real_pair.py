@@ -1,8 +1,6 @@
 """Opt-in tests on the real default pair (``pytest -m slow``); they prepare the pair
 offline on first use (several minutes) and take minutes on a 2-core CPU."""
 
-import threading
-
 import pytest
 import torch
 
@@ -13,6 +11,7 @@ from disco.kv import CachedSequence
 from disco.models import disco_home
 from disco.pipeline import build_local_pipeline, encode_prompt
 from disco.platform import resolve_dtype_here
+from tests.helpers import generate_at_once
 
 pytestmark = pytest.mark.slow
 
@@ -53,19 +52,10 @@ def test_default_engine_concurrent_requests_equal_target_only_alone(default_engi
     assert max(map(len, prompts)) >= DENSE_MIN_ROWS + 1 > min(map(len, prompts))
     sampling = SamplingParams(max_new_tokens=24)
     alone = [generator.generate(ids, sampling, SpeculationConfig(policy="none")).token_ids for ids in prompts]
-    requests = [(ids, policy) for ids in prompts for policy in ("none", "auto")]
-    results: dict[int, list[int]] = {}
-
-    def run(index: int) -> None:
-        ids, policy = requests[index]
-        results[index] = generator.generate(ids, sampling, SpeculationConfig(policy=policy)).token_ids
-
-    threads = [threading.Thread(target=run, args=(index,)) for index in range(len(requests))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(600)
-    assert [results.get(index) for index in range(len(requests))] == [alone[i // 2] for i in range(len(requests))]
+    jobs = [(ids, policy) for ids in prompts for policy in ("none", "auto")]
+    generator.verifier.batcher.batch_sizes.clear()
+    assert generate_at_once(generator, jobs, sampling, timeout_s=600) == [alone[i // 2] for i in range(len(jobs))]
+    assert max(generator.verifier.batcher.batch_sizes) > 1, "concurrent forwards were never batched"
 
 
 def test_default_engine_batched_forwards_give_each_prompt_its_bits_alone(default_engine_pipeline):
