@@ -287,6 +287,22 @@ def test_a_client_leaving_a_whole_request_cancels_the_grpc_call(stack):
         wait_idle(info)
 
 
+def test_a_request_past_the_gateways_deadline_is_504_and_frees_its_sessions(stack):
+    """Whichever side notices the deadline first (the gateway's gRPC client or the
+    orchestrator), the answer is 504 ``deadline_exceeded``, not a 500."""
+    gateway = start_in_thread(HttpConfig(stack.slow_orch.address, port=0, timeout_s=0.3))
+    try:
+        with DiscoClient(stack.slow_orch.address, timeout=CLIENT_TIMEOUT_S) as info:
+            with httpx2.Client(timeout=CLIENT_TIMEOUT_S) as http:
+                response = http.post(gateway.url + "/completions", json=LONG)
+            assert response.status_code == 504, response.text
+            error = response.json()["error"]
+            assert error["code"] == "deadline_exceeded" and error["type"] == "server_error", error
+            wait_idle(info)
+    finally:
+        gateway.stop()
+
+
 def test_an_error_mid_stream_is_one_error_event_then_the_end(stack, target_model, tokenizer):
     """The target service goes away mid-stream: the status line was 200 already, so the
     error arrives as one event carrying the error object, and no ``[DONE]`` follows."""
