@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from disco.kv import CachedSequence
 from disco.packed_forward import supports_packing
+from disco.packing_proof import PackingVerdict, prove_packing
 
 
 @dataclass
@@ -54,7 +55,10 @@ class ForwardBatcher:
     def __init__(self, model: torch.nn.Module, max_batch: int = 16, max_wait_s: float = 0.02,
                  wait_fraction: float = 0.05) -> None:
         self.model = model
-        self.packed = supports_packing(model)  # else requests run one by one
+        # Packed only where the model supports it and this machine proves it exact; else one by one.
+        self.verdict = (prove_packing(model, max(1, max_batch)) if supports_packing(model)
+                        else PackingVerdict(False, "one by one (the model has no packed forward)"))
+        self.packed = self.verdict.packed
         self.max_batch = max(1, max_batch) if self.packed else 1
         self.max_wait_s = max_wait_s
         self.wait_fraction = wait_fraction

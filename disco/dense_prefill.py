@@ -88,6 +88,9 @@ class WeightOnlyLinear(nn.Module):
 
     in_features: int
     out_features: int
+    #: How calls of decoded rows are cut (a ``disco.row_stable.RowPlan``, set by
+    #: ``row_stable.stabilize`` at load); ``None``: one call of all rows.
+    row_plan = None
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -97,7 +100,9 @@ class WeightOnlyLinear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected {self.in_features} input features, got {x.shape[-1]}")
         rows = x.reshape(-1, self.in_features).to(self.compute_dtype).contiguous()  # [rows, in_features]
-        out = split_rows(rows, self._quantized, self._dense)  # [rows, out_features]
+        quantized = self._quantized if self.row_plan is None else (
+            lambda decoded: self.row_plan.run(decoded, self._quantized))
+        out = split_rows(rows, quantized, self._dense)  # [rows, out_features]
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)

@@ -120,7 +120,7 @@ def load_model(config: ModelConfig, role: str, home: Path, progress: bool = True
     except (RuntimeError, AssertionError) as error:
         raise ModelError(f"could not move {role} model {name} to {config.device}: {first_line(error)}") from error
     model.eval()
-    if config.dtype in ("bfloat16", "float16") and config.device == "cpu":
+    if config.dtype != "float32" and config.device == "cpu":
         logger.info("%s model %s: %s", role, name, row_stable.stabilize(model))
     loaded = LoadedModel(
         model=model,

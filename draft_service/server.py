@@ -48,7 +48,8 @@ def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0, limits
     policy_factory = policy_factory or PolicyFactory(restricted_loader(default_learned_loader(loaded), artifact_dirs))
     engine = DraftEngine(loaded.model, policy_factory, limits, overlap=overlap)
     metrics = ServerMetrics("draft", loaded.name)
-    metrics.track_batches(lambda: engine.batcher.batch_sizes)
+    metrics.track_batches(lambda: engine.batcher.batch_sizes, engine.batcher.packed,
+                          engine.batcher.verdict.detail)
     servicer = DraftServicer(engine, loaded, limits, max_prompt_tokens, metrics, forward_s)
     # One thread per in-flight call: every session may be drafting at once, plus Info calls.
     return start_server([(draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer, SERVICE_NAME)],

@@ -81,4 +81,5 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def Info(self, request: common_pb2.ServiceInfoRequest, context: grpc.ServicerContext) -> common_pb2.ServiceInfo:
         return convert.service_info_pb("draft", self.loaded, self.engine.max_context,
                                        self.engine.active_sessions(), self.limits, time.perf_counter_ns(),
-                                       self.forward_s, overlap=self.engine.overlap)
+                                       self.forward_s, overlap=self.engine.overlap,
+                                       batching=self.engine.batcher.verdict.detail)

@@ -170,9 +170,10 @@ def draft_event_from_pb(message: draft_pb2.DraftEvent) -> DraftEvent:
 
 def service_info_pb(role: str, loaded: LoadedModel, max_context: int, active_sessions: int,
                     limits: SessionLimits, started_ns: int, forward_s: Sequence[float] = (),
-                    overlap: bool = False) -> common_pb2.ServiceInfo:
+                    overlap: bool = False, batching: str = "") -> common_pb2.ServiceInfo:
     """What a backend serves (its ``Info`` answer); ``forward_s``: its measured forward costs;
-    ``overlap``: the draft engine pre-drafts (overlapped drafting)."""
+    ``overlap``: the draft engine pre-drafts (overlapped drafting); ``batching``: how
+    concurrent sessions' forwards run (:class:`disco.packing_proof.PackingVerdict`)."""
     parameter = next(loaded.model.parameters())
     return common_pb2.ServiceInfo(
         role=role, model_name=loaded.name, fingerprint=loaded.fingerprint, tokenizer_hash=loaded.tokenizer_hash,
@@ -180,4 +181,4 @@ def service_info_pb(role: str, loaded: LoadedModel, max_context: int, active_ses
         dtype=loaded.engine or str(parameter.dtype).removeprefix("torch."), device=str(parameter.device),
         active_sessions=active_sessions, max_sessions=limits.max_sessions, idle_ttl_s=limits.idle_ttl_s,
         version=disco.__version__, elapsed_ns=elapsed_ns(started_ns), forward_s=list(forward_s),
-        overlap=overlap)
+        overlap=overlap, batching=batching)

@@ -59,8 +59,15 @@ class ServerMetrics:
         self.active_sessions.set_function(count)
         self.max_sessions.set(max_sessions)
 
-    def track_batches(self, batch_sizes: Callable[[], Sequence[int]]) -> None:
-        """Expose the mean of the engine's recent forward batch sizes (cross-session batching)."""
+    def track_batches(self, batch_sizes: Callable[[], Sequence[int]], packed: bool = True, detail: str = "") -> None:
+        """Expose the mean of the engine's recent forward batch sizes (cross-session batching)
+        and whether forwards are packed (``disco_forward_batching_packed``: 1 packed, 0 one by
+        one; ``disco_forward_batching_info{detail}``: the engine's
+        :class:`disco.packing_proof.PackingVerdict` line)."""
+        Gauge("disco_forward_batching_packed", "1: concurrent sessions' forwards run packed (proven exact on this "
+              "machine at start); 0: one by one", registry=self.registry).set(int(packed))
+        Info("disco_forward_batching", "How concurrent sessions' forwards run, and why",
+             registry=self.registry).info({"detail": detail})
         gauge = Gauge("disco_forward_batch_size_recent_mean",
                       "Mean sessions per model forward over the engine's recent forwards (up to 1000)",
                       registry=self.registry)

@@ -35,7 +35,8 @@ def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0, limits
     """
     engine = TargetEngine(loaded.model, limits)
     metrics = ServerMetrics("target", loaded.name)
-    metrics.track_batches(lambda: engine.batcher.batch_sizes)
+    metrics.track_batches(lambda: engine.batcher.batch_sizes, engine.batcher.packed,
+                          engine.batcher.verdict.detail)
     servicer = TargetServicer(engine, loaded, limits, max_prompt_tokens, metrics, forward_s)
     return start_server([(target_pb2_grpc.add_TargetServiceServicer_to_server, servicer, SERVICE_NAME)],
                         host, port, max_workers=limits.max_sessions + 8, tls=tls, metrics=metrics,

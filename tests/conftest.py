@@ -57,3 +57,29 @@ def tiny_pair_dirs(tmp_path_factory, tokenizer, target_model, drafts):
         tokenizer.save_pretrained(folder)
         folders[role] = folder
     return folders
+
+
+#: Threads the services run with by default (torch's default: one per core).
+SERVICE_THREADS = os.cpu_count() or 1
+
+
+@pytest.fixture(scope="module")
+def default_engine(tiny_pair_dirs, tmp_path_factory):
+    """The tiny target and noisy draft as the services load them by default: ``--dtype
+    auto`` resolved on this CPU (bf16 target with AVX-512-BF16/AMX, else int8; int4 draft),
+    through :func:`disco.models.load_model` (row plans probed at load), at the services'
+    default thread count (kernel paths depend on it). Yields ``{"target": LoadedModel,
+    "draft": LoadedModel}``; the thread count is restored afterwards."""
+    from disco.config import ModelConfig  # noqa: PLC0415
+    from disco.models import load_model  # noqa: PLC0415
+    from disco.platform import resolve_dtype_here  # noqa: PLC0415
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(SERVICE_THREADS)
+    home = tmp_path_factory.mktemp("default_engine_home")
+    try:
+        yield {role: load_model(ModelConfig(spec=str(folder), dtype=resolve_dtype_here("auto", "cpu", role)),
+                                role, home, progress=False)
+               for role, folder in tiny_pair_dirs.items()}
+    finally:
+        torch.set_num_threads(previous)
