@@ -27,7 +27,7 @@ ANY_HOST = ("0.0.0.0", "::", "")
 
 def _advertised(host: str, port: int) -> str:
     """The address others use: the node's IP when bound to every interface."""
-    from protos.runtime import format_address  # noqa: PLC0415
+    from protos.runtime.server import format_address  # noqa: PLC0415
 
     return format_address(ray.util.get_node_ip_address() if host in ANY_HOST else host, port)
 
@@ -42,15 +42,15 @@ def _resources() -> dict[str, float]:
 
 
 def _tls(paths: dict | None):
-    """:class:`protos.security.TlsFiles` from ``{"cert", "key", "ca", "server_name"}`` paths on
+    """:class:`protos.runtime.tls.TlsFiles` from ``{"cert", "key", "ca", "server_name"}`` paths on
     this node (``None``: plaintext)."""
-    from protos.security import TlsFiles  # noqa: PLC0415
+    from protos.runtime.tls import TlsFiles  # noqa: PLC0415
 
     return TlsFiles.from_paths(**paths) if paths else None
 
 
 def _health(address: str, service: str, tls: Any = None) -> str:
-    from protos.security import secure_channel  # noqa: PLC0415
+    from protos.runtime.tls import secure_channel  # noqa: PLC0415
 
     channel = secure_channel(address, tls)  # with mTLS, this actor's own certificate is the client identity
     try:
@@ -80,12 +80,12 @@ class ModelService:
         model: :class:`disco.config.ModelConfig` fields (spec, dtype, device); dtype ``"auto"``
             is resolved here, on the node the replica runs on.
         host: interface to bind (``None``: this node's IP as Ray sees it).
-        limits: :class:`disco.sessions.SessionLimits` fields.
+        limits: :class:`disco.engines.sessions.SessionLimits` fields.
         tls: ``{"cert", "key", "ca"}`` PEM paths readable on this node: serve TLS; with
             ``ca``, require client certificates it signed (mTLS). ``None``: plaintext.
         metrics: serve Prometheus ``/metrics`` on a free port of ``host`` (see ``describe()``).
         overlap: draft only: overlapped drafting (pre-draft the next block while the target
-            verifies, :mod:`disco.predraft`).
+            verifies, :mod:`disco.engines.predraft`).
     """
 
     def __init__(self, role: str, model: dict, host: str | None = None, limits: dict | None = None,
@@ -93,9 +93,9 @@ class ModelService:
         import draft_service.server  # noqa: PLC0415 - torch-using modules after tune_cpu_math_env
         import target_service.server  # noqa: PLC0415
         from disco.config import ModelConfig  # noqa: PLC0415
-        from disco.models import disco_home, load_model  # noqa: PLC0415
+        from disco.models.loading import disco_home, load_model  # noqa: PLC0415
         from disco.platform import resolve_dtype_here  # noqa: PLC0415
-        from disco.sessions import SessionLimits  # noqa: PLC0415
+        from disco.engines.sessions import SessionLimits  # noqa: PLC0415
 
         self.role = role
         model = {**model, "dtype": resolve_dtype_here(model.get("dtype", "auto"), model.get("device", "cpu"), role)}
@@ -150,11 +150,11 @@ class OrchestratorService:
                  limits: dict | None = None, tls: dict | None = None, require_client_cert: bool = False,
                  metrics: bool = False, http_port: int | None = None) -> None:
         from deploy.ray_resolver import RayResolver  # noqa: PLC0415
-        from disco.models import disco_home  # noqa: PLC0415
+        from disco.models.loading import disco_home  # noqa: PLC0415
         from orchestrator.routing import ReplicaSet  # noqa: PLC0415
         from orchestrator.server import load_tokenizer, serve  # noqa: PLC0415
         from orchestrator.servicer import OrchestratorLimits  # noqa: PLC0415
-        from protos.security import auth_token_from_env  # noqa: PLC0415
+        from protos.runtime.tls import auth_token_from_env  # noqa: PLC0415
 
         resolver = RayResolver(namespace)
         tokenizer = load_tokenizer(tokenizer_spec, disco_home())

@@ -23,7 +23,7 @@ from deploy import ray_head
 from deploy.ray_actors import ModelService, OrchestratorService
 from deploy.ray_resolver import ORCHESTRATOR_NAME, actor_names, replica_name, role_of
 from disco.errors import DiscoError
-from protos.security import AUTH_TOKEN_ENV
+from protos.runtime.tls import AUTH_TOKEN_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class UpConfig:
     tls_server_name: str | None = None
     tls_require_client_cert: bool = False
     metrics: bool = False  # each service serves /metrics on a free port (`disco status` lists them)
-    overlap: bool = False  # draft replicas pre-draft the next block while the target verifies (disco.predraft)
+    overlap: bool = False  # draft replicas pre-draft the next block while the target verifies (disco.engines.predraft)
     http_port: int | None = None  # the orchestrator actor also serves the OpenAI-compatible HTTP API (docs/http.md)
 
     def tls_paths(self) -> dict | None:

@@ -88,7 +88,7 @@ class SpeculationConfig:
     """Per-request speculation settings: which stop policy, the lookahead cap, and whether
     the draft side pre-drafts during verification (overlap)."""
 
-    policy: str = "auto"  # the default everywhere (CLI, services, client): see disco.policies.auto
+    policy: str = "auto"  # the default everywhere (CLI, services, client): see disco.speculation.policies.auto
     max_lookahead: int = DEFAULT_MAX_LOOKAHEAD
     overlap: bool | None = None  # overlapped drafting for this request; None: the draft service's setting
 
@@ -104,7 +104,7 @@ class ModelConfig:
     """Where a model comes from and how it runs.
 
     ``spec`` is a local HF folder, a hub id, or a ``.gguf`` file; ``None`` means the
-    default pair (prepared offline from PyPI on first use, see :mod:`disco.model_store`).
+    default pair (prepared offline from PyPI on first use, see :mod:`disco.models.default_pair`).
     """
 
     spec: str | None = None

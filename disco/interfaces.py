@@ -6,9 +6,14 @@ Vocabulary (as in vLLM's spec-decode docs):
   length is the iteration's **lookahead**.
 * **accepted tokens** — the longest prefix of the block the target agrees with (greedy:
   equal to the target's argmax; sampling: kept by rejection sampling).
-* **bonus token** — the one token the target adds after the accepted prefix: the
-  correction of the first rejected draft token, or, when every draft token was accepted,
-  a free extra token from the last target distribution.
+* **rejected token** — the first draft token of the block the target does not keep.
+* **recovered token** — the token the target puts in its place (greedy: the target's
+  argmax; sampling: a draw from the residual distribution).
+* **bonus token** — when every draft token was accepted, the free extra token from the
+  last target distribution.
+* **next token** (``next_token_id``) — the one token the target appends after the accepted
+  prefix: the recovered token or the bonus token. (The wire contract calls it
+  ``bonus_token_id``, a name kept for compatibility.)
 
 The loop sees only :class:`Drafter` and :class:`Verifier`; the in-process engines and the
 gRPC clients both implement them and must produce the same tokens.
@@ -30,7 +35,7 @@ class Feedback:
     rolling back the draft KV cache and drafting the next block are one round trip."""
 
     num_accepted: int
-    bonus_token_id: int
+    next_token_id: int
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,7 @@ class DraftSummary:
     #                with overlap, every background pre-draft forward this call consumed, used or not)
     elapsed_ns: int  # server-side time spent drafting this block (background pre-drafting excluded)
     stop_reason: str  # "policy", "lookahead_cap" or "discarded" (oracle)
-    # Overlapped drafting (disco.predraft): the block was pre-drafted during the last verification.
+    # Overlapped drafting (disco.engines.predraft): the block was pre-drafted during the last verification.
     predrafted_used: int = 0  # pre-drafted tokens streamed in this block (an overlap hit)
     predrafted_wasted: int = 0  # pre-drafted tokens discarded at this call (a miss, or past the cap)
     overlap_hit: bool = False  # the guess (whole block accepted, bonus = draft's choice) was right
@@ -71,7 +76,7 @@ class VerifyResult:
     """The target's verdict on one block."""
 
     num_accepted: int
-    bonus_token_id: int
+    next_token_id: int
     forward_ns: int  # time in the target forward pass
     elapsed_ns: int  # total server-side time of the call
 

@@ -7,7 +7,7 @@ draft opens only the shipped ``disco:default`` and regular files inside the oper
 ``--artifact-dir`` folders (a bare name is looked up there), no larger than
 :data:`MAX_ARTIFACT_BYTES`; any other name gets the same ``INVALID_ARGUMENT`` answer
 whether it exists or not. Artifacts themselves hold JSON and ``.npz`` arrays read
-without pickle (:mod:`disco.policies.learned`): loading one runs no code from it.
+without pickle (:mod:`disco.speculation.policies.learned`): loading one runs no code from it.
 """
 
 from __future__ import annotations
@@ -15,15 +15,13 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 from disco.errors import InvalidRequest
-from disco.policies import StopPolicy
+from disco.speculation.policies.spec import LearnedPolicyLoader
 
 #: Real artifacts are a few hundred KB (a compiled classifier and a small projection).
 MAX_ARTIFACT_BYTES = 64 * 1024 * 1024
-
-LearnedPolicyLoader = Callable[[str], Callable[[], StopPolicy]]
 
 
 def restricted_loader(inner: LearnedPolicyLoader | None,

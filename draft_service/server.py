@@ -5,17 +5,17 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-from disco.draft_engine import DraftEngine
-from disco.models import LoadedModel
-from disco.pipeline import default_learned_loader
-from disco.policies import PolicyFactory
-from disco.sessions import SessionLimits
+from disco.engines.draft import DraftEngine
+from disco.models.loading import LoadedModel
+from disco.engines.in_process import default_learned_loader
+from disco.speculation.policies import PolicyFactory
+from disco.engines.sessions import SessionLimits
 from draft_service.artifacts import restricted_loader
 from draft_service.servicer import SERVICE_NAME, DraftServicer
 from protos.disco.v1 import draft_pb2_grpc
-from protos.metrics import ServerMetrics
-from protos.runtime import RunningServer, start_server
-from protos.security import TlsFiles
+from protos.runtime.metrics import ServerMetrics
+from protos.runtime.server import RunningServer, start_server
+from protos.runtime.tls import TlsFiles
 
 
 def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0, limits: SessionLimits = SessionLimits(),
@@ -38,8 +38,8 @@ def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0, limits
             model's context is the only limit.
         tls: serve TLS; with ``tls.ca`` clients must present a certificate it signed (mTLS).
         metrics_port: serve Prometheus ``/metrics`` on ``host:metrics_port`` (0: a free port).
-        forward_s: the model's measured forward costs (:mod:`disco.engine_costs`), reported by ``Info``.
-        overlap: overlapped drafting (:mod:`disco.predraft`): pre-draft each session's next block
+        forward_s: the model's measured forward costs (:mod:`disco.engines.engine_costs`), reported by ``Info``.
+        overlap: overlapped drafting (:mod:`disco.engines.predraft`): pre-draft each session's next block
             while the target verifies the last one; reported by ``Info``, counted in ``/metrics``.
 
     Raises:

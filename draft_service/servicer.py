@@ -1,7 +1,7 @@
 """``disco.v1.DraftService``: validate → convert → :class:`DraftEngine` → convert back.
 
 Domain errors raised by the engine become status codes in
-:class:`protos.runtime.ErrorInterceptor`; nothing here catches them.
+:class:`protos.runtime.server.ErrorInterceptor`; nothing here catches them.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from typing import Iterator, Sequence
 
 import grpc
 
-from disco.draft_engine import DraftEngine
+from disco.engines.draft import DraftEngine
 from disco.interfaces import DraftEvent, DraftSummary
-from disco.models import LoadedModel
-from disco.sessions import SessionLimits
+from disco.models.loading import LoadedModel
+from disco.engines.sessions import SessionLimits
 from draft_service.run_ahead import run_ahead
 from protos import convert
 from protos.disco.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from protos.metrics import ServerMetrics
+from protos.runtime.metrics import ServerMetrics
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 

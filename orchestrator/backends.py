@@ -8,17 +8,18 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from typing import Sequence
 
 import grpc
 
-from disco.cost_model import CostModel
+from disco.speculation.cost_model import CostModel
 from disco.errors import DiscoError, ModelError, VocabularyMismatch
 from orchestrator.failover import FailoverDrafter, FailoverVerifier, SessionTrack
 from orchestrator.remote import CallScope
 from orchestrator.routing import ReplicaSet
 from protos.disco.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
-from protos.runtime import error_from_rpc
-from protos.security import TlsFiles
+from protos.runtime.server import error_from_rpc
+from protos.runtime.tls import TlsFiles
 
 DESCRIBE_TIMEOUT_S = 5.0
 
@@ -34,19 +35,19 @@ class Backends:
         draft: ``HOST:PORT`` of the draft service (several comma-separated: replicas),
             or a :class:`ReplicaSet` (e.g. discovered through Ray).
         target: the same for the target service.
-        tokenizer_hash: hash of the orchestrator's tokenizer (:func:`disco.models.tokenizer_hash`);
+        tokenizer_hash: hash of the orchestrator's tokenizer (:func:`disco.models.loading.tokenizer_hash`);
             every service must serve a model with this tokenizer.
         tls: TLS towards the backends: ``ca`` verifies them, ``cert``/``key`` is the
             orchestrator's client identity (mTLS); ``None``: plaintext.
     """
 
     def __init__(self, draft: str | ReplicaSet, target: str | ReplicaSet, tokenizer_hash: str,
-                 tls: TlsFiles | None = None, added_rtt_s: float = 0.0) -> None:
+                 tls: TlsFiles | None = None, interceptors: Sequence[grpc.UnaryUnaryClientInterceptor] = ()) -> None:
         self.draft = draft if isinstance(draft, ReplicaSet) else ReplicaSet.static("draft", draft)
         self.target = target if isinstance(target, ReplicaSet) else ReplicaSet.static("target", target)
         if tls is not None:
             self.draft.tls = self.target.tls = tls
-        self.draft.added_rtt_s = self.target.added_rtt_s = added_rtt_s
+        self.draft.interceptors = self.target.interceptors = tuple(interceptors)
         self.tokenizer_hash = tokenizer_hash
         self._target_info: common_pb2.ServiceInfo | None = None
         self._costs: CostModel | None = None
@@ -123,8 +124,8 @@ class Backends:
             return None
         if not draft.forward_s or not target.forward_s:
             return None
-        costs = CostModel(t_draft=draft.forward_s[0], t_verify=tuple(target.forward_s),
-                          t_rtt=statistics.median(trips), source=f"measured by the services ({target.dtype})")
+        costs = CostModel.from_forward_costs(draft.forward_s, target.forward_s, statistics.median(trips),
+                                             source=f"measured by the services ({target.dtype})")
         with self._lock:
             self._costs = costs
         return costs

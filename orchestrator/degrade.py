@@ -2,7 +2,7 @@
 
 The target decides every token, so a request whose draft service cannot be reached (or
 answers with an error that is not the request's fault) goes on target-only — the loop
-(:mod:`disco.loop`) does that when its drafter raises
+(:mod:`disco.speculation.loop`) does that when its drafter raises
 :class:`~disco.errors.Unavailable`, counts it in ``RequestStats.draft_fallbacks`` and
 logs a warning. This module makes every draft-side failure look like that:
 
@@ -25,8 +25,8 @@ from typing import Any, Iterator, Sequence
 from disco.config import SamplingParams
 from disco.errors import InvalidRequest, ModelError, SessionNotFound, Unavailable
 from disco.interfaces import DraftEvent, Feedback, PrefillResult
-from disco.policies import parse_policy_spec
-from protos.runtime import Cancelled
+from disco.speculation.policies import parse_policy_spec
+from protos.runtime.server import Cancelled
 
 #: Draft-side errors that are the request's (or the deployment's) fault, or that the
 #: loop handles itself; every other failure of the draft service means "go on without it".

@@ -230,5 +230,5 @@ class FailoverVerifier(_StickySession):
         draft_probs: torch.Tensor | None,  # [k, vocab] when sampling, else None
     ) -> VerifyResult:
         verdict = self._call(lambda client, backend_id, fresh: client.verify(backend_id, draft_token_ids, draft_probs))
-        self.track.generated.extend(list(draft_token_ids[:verdict.num_accepted]) + [verdict.bonus_token_id])
+        self.track.generated.extend(list(draft_token_ids[:verdict.num_accepted]) + [verdict.next_token_id])
         return verdict

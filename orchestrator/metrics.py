@@ -15,9 +15,9 @@ from typing import Iterator
 from prometheus_client import Counter, Gauge, Histogram
 
 from disco.config import MAX_LOOKAHEAD_LIMIT
-from disco.loop import GenerationEvent, GenerationResult, TokenChunk
+from disco.speculation.loop import GenerationEvent, GenerationResult, TokenChunk
 from disco.stats import RequestStats
-from protos.metrics import ServerMetrics
+from protos.runtime.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ LOOKAHEAD_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, MAX_LOO
 
 
 class OrchestratorMetrics(ServerMetrics):
-    """:class:`~protos.metrics.ServerMetrics` plus what the speculation loop measures."""
+    """:class:`~protos.runtime.metrics.ServerMetrics` plus what the speculation loop measures."""
 
     def __init__(self, model: str = "") -> None:
         super().__init__("orchestrator", model)

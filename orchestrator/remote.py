@@ -1,12 +1,12 @@
 """The draft and target services as a :class:`~disco.interfaces.Drafter` and a
-:class:`~disco.interfaces.Verifier`, so :class:`~disco.loop.SpeculativeGenerator` runs
+:class:`~disco.interfaces.Verifier`, so :class:`~disco.speculation.loop.SpeculativeGenerator` runs
 unchanged over the network.
 
 One :class:`CallScope` per request carries its deadline and cancellation to every
 backend call: when the public call is cancelled (or its deadline passes) the scope
 cancels the backend call in flight, and no new one starts — except ``EndSession``, so
 the loop's ``finally`` still frees both sessions. Failed backend calls become domain
-errors (:func:`protos.runtime.error_from_rpc`), so a status code survives the hop.
+errors (:func:`protos.runtime.server.error_from_rpc`), so a status code survives the hop.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from disco.config import SamplingParams
 from disco.interfaces import DraftEvent, Feedback, PrefillResult, VerifyResult
 from protos import convert
 from protos.disco.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from protos.logs import set_log_fields
-from protos.runtime import Cancelled, DeadlineExceeded, error_from_rpc
+from protos.runtime.logs import set_log_fields
+from protos.runtime.server import Cancelled, DeadlineExceeded, error_from_rpc
 
 #: Longest a backend call may take when the request has no deadline.
 DEFAULT_CALL_TIMEOUT_S = 300.0
@@ -168,7 +168,7 @@ class RemoteVerifier:
             draft_probs=[convert.distribution_to_pb(row) for row in draft_probs] if draft_probs is not None else [])
         response = self._scope.call(lambda timeout: self._stub.Verify(request, timeout=timeout),
                                     self._service)
-        return VerifyResult(num_accepted=response.num_accepted, bonus_token_id=response.bonus_token_id,
+        return VerifyResult(num_accepted=response.num_accepted, next_token_id=response.bonus_token_id,
                             forward_ns=response.forward_ns, elapsed_ns=response.elapsed_ns)
 
     def end_session(self, session_id: str) -> None:

@@ -27,9 +27,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from disco.errors import Unavailable
-from protos.runtime import CHANNEL_OPTIONS
-from orchestrator.latency import with_added_latency
-from protos.security import TlsFiles, secure_channel
+from protos.runtime.server import CHANNEL_OPTIONS
+from protos.runtime.tls import TlsFiles, secure_channel
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +99,9 @@ class ReplicaSet:
 
     #: TLS material of the channels to the replicas (``None``: plaintext); set before the first request.
     tls: TlsFiles | None = None
-    #: Seconds added to every call to a replica (benchmarks: :mod:`orchestrator.latency`).
-    added_rtt_s: float = 0.0
+    #: Client interceptors on every call to a replica (none by default; a benchmark adds
+    #: latency with one, the deployment could trace); set before the first request.
+    interceptors: tuple[grpc.UnaryUnaryClientInterceptor, ...] = ()
 
     def __init__(self, role: str, resolver: Resolver, recovery_timeout_s: float = RECOVERY_TIMEOUT_S) -> None:
         self.role = role
@@ -250,7 +250,8 @@ class ReplicaSet:
             self._replicas[name] = Replica(name, address, self._channel(address))
 
     def _channel(self, address: str) -> grpc.Channel:
-        return with_added_latency(secure_channel(address, self.tls, CHANNEL_OPTIONS), self.added_rtt_s)
+        channel = secure_channel(address, self.tls, CHANNEL_OPTIONS)
+        return grpc.intercept_channel(channel, *self.interceptors) if self.interceptors else channel
 
     def _none_message(self) -> str:
         if not self._replicas:

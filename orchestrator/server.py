@@ -7,20 +7,23 @@ draft and target services.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
+
+import grpc
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from disco.errors import ModelError
-from disco.gguf_convert import convert_gguf
-from disco.model_store import ensure_default_model
-from disco.models import tokenizer_hash
+from disco.models.gguf import convert_gguf
+from disco.models.default_pair import ensure_default_model
+from disco.models.loading import tokenizer_hash
 from orchestrator.backends import Backends
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.routing import ReplicaSet
 from orchestrator.servicer import SERVICE_NAME, OrchestratorLimits, OrchestratorServicer
 from protos.disco.v1 import orchestrator_pb2_grpc
-from protos.runtime import RunningServer, start_server
-from protos.security import BearerTokenInterceptor, TlsFiles
+from protos.runtime.server import RunningServer, start_server
+from protos.runtime.tls import BearerTokenInterceptor, TlsFiles
 
 #: Largest public request accepted (gRPC's default is 4 MiB; a backend's is far larger
 #: since draft distributions travel between services).
@@ -51,7 +54,8 @@ def load_tokenizer(spec: str | None, home: Path) -> PreTrainedTokenizerBase:
 def serve(tokenizer: PreTrainedTokenizerBase, draft_address: str | ReplicaSet, target_address: str | ReplicaSet, *,
           host: str = "127.0.0.1", port: int = 0, limits: OrchestratorLimits = OrchestratorLimits(),
           tls: TlsFiles | None = None, require_client_cert: bool = False, auth_token: str | None = None,
-          metrics_port: int | None = None, added_rtt_s: float = 0.0) -> RunningServer:
+          metrics_port: int | None = None,
+          backend_interceptors: Sequence[grpc.UnaryUnaryClientInterceptor] = ()) -> RunningServer:
     """Start the public ``disco.v1.Orchestrator`` service; returns at once.
 
     The backends need not be up yet: each request reaches them when it runs (and gets
@@ -70,11 +74,13 @@ def serve(tokenizer: PreTrainedTokenizerBase, draft_address: str | ReplicaSet, t
         require_client_cert: also require public clients to present a certificate signed by ``tls.ca``.
         auth_token: require ``authorization: Bearer <auth_token>`` on the public API (health exempt).
         metrics_port: serve Prometheus ``/metrics`` on ``host:metrics_port`` (0: a free port).
+        backend_interceptors: client interceptors on every call to a backend (none by default).
 
     Raises:
         DiscoError: the address cannot be bound.
     """
-    backends = Backends(draft_address, target_address, tokenizer_hash(tokenizer), tls=tls, added_rtt_s=added_rtt_s)
+    backends = Backends(draft_address, target_address, tokenizer_hash(tokenizer), tls=tls,
+                        interceptors=backend_interceptors)
     metrics = OrchestratorMetrics(tokenizer.name_or_path)
     servicer = OrchestratorServicer(tokenizer, backends, limits, metrics)
     serving_tls = tls if tls is not None and tls.cert is not None else None

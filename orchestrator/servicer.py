@@ -1,10 +1,10 @@
 """``disco.v1.Orchestrator``: the public API.
 
 Per request: parse the message, tokenize, then run the one speculation loop
-(:class:`~disco.loop.SpeculativeGenerator`) with :class:`~orchestrator.remote.RemoteDrafter`
+(:class:`~disco.speculation.loop.SpeculativeGenerator`) with :class:`~orchestrator.remote.RemoteDrafter`
 and :class:`~orchestrator.remote.RemoteVerifier` bound to this call's deadline and
 cancellation, and translate its events back to messages. Domain errors become status
-codes in :class:`protos.runtime.ErrorInterceptor`.
+codes in :class:`protos.runtime.server.ErrorInterceptor`.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from transformers import PreTrainedTokenizerBase
 import disco
 from disco.config import DEFAULT_MAX_LOOKAHEAD, MAX_LOOKAHEAD_LIMIT, SamplingParams, SpeculationConfig
 from disco.errors import DiscoError, InvalidRequest, ResourceExhausted
-from disco.loop import GenerationEvent, GenerationResult, SpeculativeGenerator, TokenChunk
-from disco.pipeline import encode_messages, encode_prompt, make_decode
-from disco.policies import POLICY_INFOS, parse_policy_spec, reads_costs
+from disco.speculation.loop import GenerationEvent, GenerationResult, SpeculativeGenerator, TokenChunk
+from disco.engines.in_process import encode_messages, encode_prompt, make_decode
+from disco.speculation.policies import POLICY_INFOS, parse_policy_spec, reads_costs
 from orchestrator.backends import Backends
 from orchestrator.degrade import DegradingDrafter, UnreachableDrafter, draft_check
 from orchestrator.failover import FailoverDrafter, FailoverVerifier

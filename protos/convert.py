@@ -17,8 +17,8 @@ import disco
 from disco.config import SamplingParams
 from disco.errors import InvalidRequest
 from disco.interfaces import DraftEvent, DraftSummary, DraftToken, Feedback, PrefillResult
-from disco.models import LoadedModel
-from disco.sessions import SessionLimits
+from disco.models.loading import LoadedModel
+from disco.engines.sessions import SessionLimits
 from protos.disco.v1 import common_pb2, draft_pb2
 
 #: Refuse distributions larger than any real vocabulary (protects the receiver's memory).
@@ -126,11 +126,11 @@ def distributions_from_pb(messages: Sequence[common_pb2.Distribution],
 
 
 def feedback_to_pb(feedback: Feedback) -> common_pb2.Feedback:
-    return common_pb2.Feedback(num_accepted=feedback.num_accepted, bonus_token_id=feedback.bonus_token_id)
+    return common_pb2.Feedback(num_accepted=feedback.num_accepted, bonus_token_id=feedback.next_token_id)
 
 
 def feedback_from_pb(message: common_pb2.Feedback) -> Feedback:
-    return Feedback(num_accepted=message.num_accepted, bonus_token_id=message.bonus_token_id)
+    return Feedback(num_accepted=message.num_accepted, next_token_id=message.bonus_token_id)
 
 
 def prefill_to_pb(result: PrefillResult) -> common_pb2.StartSessionResponse:
@@ -173,7 +173,7 @@ def service_info_pb(role: str, loaded: LoadedModel, max_context: int, active_ses
                     overlap: bool = False, batching: str = "") -> common_pb2.ServiceInfo:
     """What a backend serves (its ``Info`` answer); ``forward_s``: its measured forward costs;
     ``overlap``: the draft engine pre-drafts (overlapped drafting); ``batching``: how
-    concurrent sessions' forwards run (:class:`disco.packing_proof.PackingVerdict`)."""
+    concurrent sessions' forwards run (:class:`disco.engines.packing_proof.PackingVerdict`)."""
     parameter = next(loaded.model.parameters())
     return common_pb2.ServiceInfo(
         role=role, model_name=loaded.name, fingerprint=loaded.fingerprint, tokenizer_hash=loaded.tokenizer_hash,

@@ -1,2 +1,2 @@
-"""The target service: a :class:`~disco.target_engine.TargetEngine` behind
+"""The target service: a :class:`~disco.engines.target.TargetEngine` behind
 ``disco.v1.TargetService`` (prefill and one-forward block verification)."""

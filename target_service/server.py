@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from disco.models import LoadedModel
-from disco.sessions import SessionLimits
-from disco.target_engine import TargetEngine
+from disco.models.loading import LoadedModel
+from disco.engines.sessions import SessionLimits
+from disco.engines.target import TargetEngine
 from protos.disco.v1 import target_pb2_grpc
-from protos.metrics import ServerMetrics
-from protos.runtime import RunningServer, start_server
-from protos.security import TlsFiles
+from protos.runtime.metrics import ServerMetrics
+from protos.runtime.server import RunningServer, start_server
+from protos.runtime.tls import TlsFiles
 from target_service.servicer import SERVICE_NAME, TargetServicer
 
 
@@ -28,7 +28,7 @@ def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0, limits
             model's context is the only limit.
         tls: serve TLS; with ``tls.ca`` clients must present a certificate it signed (mTLS).
         metrics_port: serve Prometheus ``/metrics`` on ``host:metrics_port`` (0: a free port).
-        forward_s: the model's measured forward costs (:mod:`disco.engine_costs`), reported by ``Info``.
+        forward_s: the model's measured forward costs (:mod:`disco.engines.engine_costs`), reported by ``Info``.
 
     Raises:
         DiscoError: the address cannot be bound.

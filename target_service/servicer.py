@@ -1,7 +1,7 @@
 """``disco.v1.TargetService``: validate → convert → :class:`TargetEngine` → convert back.
 
 Domain errors raised by the engine become status codes in
-:class:`protos.runtime.ErrorInterceptor`; nothing here catches them.
+:class:`protos.runtime.server.ErrorInterceptor`; nothing here catches them.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from typing import Sequence
 import grpc
 
 from disco.errors import InvalidRequest
-from disco.models import LoadedModel
-from disco.sessions import SessionLimits
-from disco.target_engine import TargetEngine
+from disco.models.loading import LoadedModel
+from disco.engines.sessions import SessionLimits
+from disco.engines.target import TargetEngine
 from protos import convert
 from protos.disco.v1 import common_pb2, target_pb2, target_pb2_grpc
-from protos.metrics import ServerMetrics
+from protos.runtime.metrics import ServerMetrics
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
@@ -52,7 +52,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             raise InvalidRequest(f"draft_token_ids: every id must be < the vocab_size of draft_probs "
                                  f"({draft_probs.shape[-1]})")
         verdict = self.engine.verify(request.session_id, list(request.draft_token_ids), draft_probs)
-        return target_pb2.VerifyResponse(num_accepted=verdict.num_accepted, bonus_token_id=verdict.bonus_token_id,
+        return target_pb2.VerifyResponse(num_accepted=verdict.num_accepted, bonus_token_id=verdict.next_token_id,
                                          forward_ns=verdict.forward_ns, elapsed_ns=convert.elapsed_ns(started))
 
     def EndSession(self, request: common_pb2.EndSessionRequest,

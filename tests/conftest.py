@@ -67,11 +67,11 @@ SERVICE_THREADS = os.cpu_count() or 1
 def default_engine(tiny_pair_dirs, tmp_path_factory):
     """The tiny target and noisy draft as the services load them by default: ``--dtype
     auto`` resolved on this CPU (bf16 target with AVX-512-BF16/AMX, else int8; int4 draft),
-    through :func:`disco.models.load_model` (row plans probed at load), at the services'
+    through :func:`disco.models.loading.load_model` (row plans probed at load), at the services'
     default thread count (kernel paths depend on it). Yields ``{"target": LoadedModel,
     "draft": LoadedModel}``; the thread count is restored afterwards."""
     from disco.config import ModelConfig  # noqa: PLC0415
-    from disco.models import load_model  # noqa: PLC0415
+    from disco.models.loading import load_model  # noqa: PLC0415
     from disco.platform import resolve_dtype_here  # noqa: PLC0415
 
     previous = torch.get_num_threads()

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from disco.datasets import Dataset, PromptItem
-from disco.features import FeatureSpec, Projection
-from disco.oracle_records import RecordConfig, build_records
-from disco.policies.learned import CompiledClassifier, DiscoArtifact
+from disco.offline.datasets import Dataset, PromptItem
+from disco.speculation.features import FeatureSpec, Projection
+from disco.offline.records import RecordConfig, build_records
+from disco.speculation.policies.learned import CompiledClassifier, DiscoArtifact
 from tests.helpers import EOS_ID, PROMPTS
 
 MAX_NEW_TOKENS = 40

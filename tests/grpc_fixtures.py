@@ -15,10 +15,10 @@ import pytest
 import draft_service.server
 import orchestrator.server
 import target_service.server
-from disco.models import LoadedModel, tokenizer_hash
+from disco.models.loading import LoadedModel, tokenizer_hash
 from orchestrator.client import DiscoClient
 from orchestrator.servicer import OrchestratorLimits
-from protos.runtime import RunningServer
+from protos.runtime.server import RunningServer
 from tests.helpers import EOS_ID
 
 DRAFT_KINDS = ("random", "same", "noisy")
@@ -26,7 +26,7 @@ CLIENT_TIMEOUT_S = 60.0  # no test may hang: every call has a deadline
 
 
 def loaded(model, tokenizer, name: str) -> LoadedModel:
-    """A tiny in-memory model described as :func:`disco.models.load_model` would."""
+    """A tiny in-memory model described as :func:`disco.models.loading.load_model` would."""
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, fingerprint=name,
                        tokenizer_hash=tokenizer_hash(tokenizer), vocab_size=int(model.config.vocab_size),
                        eos_token_ids=(EOS_ID,))

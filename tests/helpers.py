@@ -3,11 +3,11 @@
 import threading
 
 from disco.config import SamplingParams, SpeculationConfig
-from disco.draft_engine import DraftEngine
-from disco.loop import SpeculativeGenerator
-from disco.pipeline import make_decode
-from disco.policies import PolicyFactory
-from disco.target_engine import TargetEngine
+from disco.engines.draft import DraftEngine
+from disco.speculation.loop import SpeculativeGenerator
+from disco.engines.in_process import make_decode
+from disco.speculation.policies import PolicyFactory
+from disco.engines.target import TargetEngine
 
 EOS_ID = 0
 

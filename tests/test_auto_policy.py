@@ -4,12 +4,12 @@ DISCO's stop decision inside it — and exact output whatever it decides."""
 import pytest
 
 from disco.config import SamplingParams, SpeculationConfig
-from disco.cost_model import CostModel
+from disco.speculation.cost_model import CostModel
 from disco.errors import InvalidRequest
-from disco.policies import PolicyFactory, parse_policy_spec
-from disco.policies.auto import (
+from disco.speculation.policies import PolicyFactory, parse_policy_spec
+from disco.speculation.policies.auto import (
     AutoPolicy, best_lookahead, decode_costs, encode_costs, expected_speedup, speculation_pays)
-from disco.policies.learned import make_learned_loader
+from disco.speculation.policies.learned import make_learned_loader
 from tests.helpers import PROMPTS, local_generator
 
 # Shapes measured on the project's AVX2 machines (models.md): bf16 verification costs
@@ -133,7 +133,7 @@ def test_auto_over_grpc_reads_the_costs_the_services_report(target_model, drafts
 def test_auto_falls_back_to_confidence_where_the_artifact_does_not_fit():
     """``auto`` is the default everywhere, so it must run with any pair: another draft's
     fingerprint (or no artifact loader) gives the training-free confidence rule."""
-    from disco.policies.simple import ConfidencePolicy  # noqa: PLC0415
+    from disco.speculation.policies.simple import ConfidencePolicy  # noqa: PLC0415
 
     for factory in (PolicyFactory(), PolicyFactory(make_learned_loader("not-this-draft", "not-this-tokenizer"))):
         policy = factory.build(f"auto:{encode_costs(INT8_AVX2)}")
@@ -143,8 +143,8 @@ def test_auto_falls_back_to_confidence_where_the_artifact_does_not_fit():
 # -- disco:PATH with the deployment's costs ------------------------------------------------
 
 def test_disco_specs_take_costs_or_tuned():
-    from disco.policies import reads_costs, with_costs  # noqa: PLC0415
-    from disco.policies.learned import DiscoPolicy  # noqa: PLC0415
+    from disco.speculation.policies import reads_costs, with_costs  # noqa: PLC0415
+    from disco.speculation.policies.learned import DiscoPolicy  # noqa: PLC0415
 
     spec = with_costs("disco:default", INT8_AVX2)
     assert spec == f"disco:default@{encode_costs(INT8_AVX2)}" and not reads_costs(spec)

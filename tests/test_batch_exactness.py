@@ -18,15 +18,15 @@ import pytest
 import torch
 
 from disco.config import SamplingParams, SpeculationConfig
-from disco.draft_engine import DraftEngine
+from disco.engines.draft import DraftEngine
 from disco.interfaces import DraftToken, Feedback
-from disco.kv import CachedSequence
-from disco.policies import PolicyFactory
-from disco.dense_prefill import DENSE_MIN_ROWS, dense_prefill
-from disco.quantize import quantize_model
-from disco.dense_prefill import WeightOnlyLinear
-from disco.row_stable import RowPlan, RowStableLinear, cancelling_inputs, stabilize
-from disco.target_engine import TargetEngine
+from disco.engines.kv import CachedSequence
+from disco.speculation.policies import PolicyFactory
+from disco.models.weight_only import DENSE_MIN_ROWS, dense_prefill
+from disco.models.quantize import quantize_model
+from disco.models.weight_only import WeightOnlyLinear
+from disco.models.row_stable import RowPlan, RowStableLinear, cancelling_inputs, stabilize
+from disco.engines.target import TargetEngine
 
 VOCAB = 512
 
@@ -63,7 +63,7 @@ def _assert_rows_keep_their_bits(linear: torch.nn.Module, rows: torch.Tensor, la
                                    (64, 64, False), (32, 64, True), (16, 64, True), (512, 64, False)])
 def test_the_engines_linears_give_each_row_the_same_bits_whatever_the_rows(dtype, shape):
     """The property packed batching and exact verification rely on in low precision, for
-    the linears as the engine loads them (disco.row_stable), at every row count up to the
+    the linears as the engine loads them (disco.models.row_stable), at every row count up to the
     largest packed call, on inputs whose results are pure summation rounding (random inputs
     hide a different order behind bf16 rounding: issue 32). The shapes include the tiny
     models' (on Zen 4, out 32 / 16 x in 64 switch paths at 3 / 5 rows) and a long input
@@ -131,7 +131,7 @@ def test_a_row_plan_cuts_calls_into_its_row_range():
 
 
 def test_row_stable_linears_multiply_a_long_prefill_block_in_one_call_of_its_own_rows():
-    """A prefill span (disco.dense_prefill) is one plain call of exactly its rows: its bits
+    """A prefill span (disco.models.weight_only) is one plain call of exactly its rows: its bits
     depend on the block alone (same cache solo and batched) and the weights are read once;
     the rows around it (decoding, verification, short prefills) keep the row-stable calls."""
     linear = torch.nn.Linear(4, 8)
@@ -264,7 +264,7 @@ def test_concurrent_target_verifications_equal_each_session_alone(target_model, 
             if barrier is not None:
                 barrier.wait()
             verdict = engine.verify(session, block, None)
-            verdicts.append((verdict.num_accepted, verdict.bonus_token_id))
+            verdicts.append((verdict.num_accepted, verdict.next_token_id))
         engine.end_session(session)
         return verdicts
 
@@ -294,7 +294,7 @@ def test_concurrent_drafting_equals_each_session_alone(drafts, dtype):
                 barrier.wait()
             tokens = [e for e in engine.draft(session, feedback, 8) if isinstance(e, DraftToken)]
             drafted.extend((t.token_id, t.draft_prob) for t in tokens)
-            feedback = Feedback(num_accepted=step % (len(tokens) + 1), bonus_token_id=block[0] if block else 3)
+            feedback = Feedback(num_accepted=step % (len(tokens) + 1), next_token_id=block[0] if block else 3)
         engine.end_session(session)
         return drafted
 

@@ -5,9 +5,9 @@ import time
 
 import torch
 
-from disco.batching import ForwardBatcher
+from disco.engines.batching import ForwardBatcher
 from disco.config import SamplingParams, SpeculationConfig
-from disco.kv import CachedSequence
+from disco.engines.kv import CachedSequence
 from tests.helpers import generate_at_once, local_generator
 
 PROMPTS = ([5, 9, 11, 40, 7, 3], [8, 100, 22], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])

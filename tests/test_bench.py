@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from orchestrator.cli import main
+from disco_cli.main import main
 
 
 @pytest.fixture
@@ -53,7 +53,7 @@ def test_bench_transport_reports_overhead_and_transport_time(tiny_pair_dirs, cap
 
 
 def test_grpc_floor_times_every_pattern_against_a_bare_server():
-    from orchestrator.bench import grpc_floor
+    from disco_cli.bench import grpc_floor
 
     result = grpc_floor.measure(block_tokens=3, idle_ms=(0.0, 2.0), calls=5)
     assert [row["idle_ms"] for row in result["rows"]] == [0.0, 2.0]
@@ -64,7 +64,7 @@ def test_grpc_floor_times_every_pattern_against_a_bare_server():
 
 
 def test_bench_transport_floor_needs_no_models(capsys, monkeypatch):
-    from orchestrator.bench import grpc_floor
+    from disco_cli.bench import grpc_floor
 
     measured = {}
     real_measure = grpc_floor.measure
@@ -123,7 +123,7 @@ def test_grpc_bench_runs_one_service_set_per_overlap_mode_pinned_with_added_rtt(
 
 
 def test_split_cores_gives_target_and_draft_disjoint_halves():
-    from orchestrator.launcher import split_cores
+    from disco_cli.launcher import split_cores
 
     assert split_cores([0, 1]) == {"target": {0}, "draft": {1}}
     assert split_cores([0, 1, 2, 3, 4]) == {"target": {0, 1, 2}, "draft": {3, 4}}
@@ -133,10 +133,10 @@ def test_split_cores_gives_target_and_draft_disjoint_halves():
 def test_added_latency_delays_every_call_to_the_backends():
     import time
 
-    from orchestrator.latency import AddedLatency, with_added_latency
+    from disco_cli.bench.latency import AddedLatency, main
 
-    sentinel = object()
-    assert with_added_latency(sentinel, 0) is sentinel
+    with pytest.raises(SystemExit):  # the bench's entry point runs the orchestrator command only
+        main(["--added-rtt-ms", "5", "policies"])
     interceptor = AddedLatency(0.05)
     started = time.perf_counter()
     assert interceptor.intercept_unary_unary(lambda details, request: request, None, "ok") == "ok"

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from deploy.cli import main
+from disco_cli.main import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -79,21 +79,21 @@ def test_vocabulary_mismatch_is_refused(capsys, tmp_path, tiny_pair_dirs):
     assert code != 0 and "vocabulary" in err.lower() and "Traceback" not in err
 
 
-def test_disco_gathers_every_command_and_the_orchestrator_cli_all_but_ray():
-    from deploy.cli import build_parser
-    from orchestrator import cli
+def test_disco_gathers_every_command_the_ray_ones_included():
+    from disco_cli.main import COMMAND_MODULES, build_parser
 
     def commands(parser):
         return set(next(a for a in parser._actions if a.dest == "command").choices)
 
     ray = {"up", "down", "status", "ray-orchestrator"}
-    everything, below = commands(build_parser()), commands(cli.build_parser())
-    assert everything == below | ray and not below & ray
-    assert {"generate", "serve", "models", "bench"} <= below
+    everything = commands(build_parser())
+    without_ray = commands(build_parser(tuple(m for m in COMMAND_MODULES if m != "disco_cli.commands.ray")))
+    assert everything == without_ray | ray and not without_ray & ray
+    assert {"generate", "serve", "models", "bench"} <= without_ray
 
 
 def test_entry_point_subprocess_has_no_traceback():
-    result = subprocess.run([sys.executable, "-m", "deploy.cli", "generate", "--prompt", "x", "--policy", "bad"],
+    result = subprocess.run([sys.executable, "-m", "disco_cli.main", "generate", "--prompt", "x", "--policy", "bad"],
                             capture_output=True, text=True, cwd=REPO, timeout=120)
     assert result.returncode != 0
     assert result.stderr.strip().startswith("error: unknown policy 'bad'")

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from disco.config import SamplingParams, SpeculationConfig
-from disco.kv import CachedSequence
-from disco.packed_forward import supports_packing
-from disco.packing_proof import PackingVerdict, prove_packing
+from disco.engines.kv import CachedSequence
+from disco.engines.packed_forward import supports_packing
+from disco.engines.packing_proof import PackingVerdict, prove_packing
 from tests.helpers import generate_at_once, local_generator
 
 SESSIONS = 16

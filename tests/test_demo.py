@@ -3,7 +3,7 @@ processes, a streamed completion, the baseline comparison, everything stopped.""
 
 import pytest
 
-from orchestrator.cli import main
+from disco_cli.main import main
 
 
 

@@ -18,7 +18,7 @@ import yaml
 
 jsonschema = pytest.importorskip("jsonschema")
 
-from deploy.cli import build_parser  # noqa: E402
+from disco_cli.main import build_parser  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 MANIFESTS = REPO / "deploy" / "kuberay"

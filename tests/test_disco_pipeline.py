@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from disco.errors import InvalidRequest
-from disco.policies.learned import load_learned_policy, read_artifact, resolve_artifact_path
-from orchestrator.cli import main
+from disco.speculation.policies.learned import load_learned_policy, read_artifact, resolve_artifact_path
+from disco_cli.main import main
 from tests import tiny
 from tests.helpers import PROMPTS
 
@@ -177,7 +177,7 @@ def test_train_with_validation_selection_and_dagger(capsys, workspace, trained, 
 
 
 def test_train_and_tune_a_cumulative_rule(capsys, workspace, trained, home, tmp_path):
-    from disco.policies.stop_rules import threshold_grid
+    from disco.speculation.policies.stop_rules import threshold_grid
 
     out, retuned = tmp_path / "cumulative.disco", tmp_path / "cumulative_rtt.disco"
     code, stdout, err = run_cli(capsys, "train", "--dataset", str(workspace["dataset"]), *workspace["models"],

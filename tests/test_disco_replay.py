@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 
 from disco.config import SamplingParams, SpeculationConfig
-from disco.cost_model import CostModel
-from disco.features import FeatureSpec
-from disco.oracle_records import OracleRecord, RecordConfig, compute_record
-from disco.policies import PolicyFactory
-from disco.policies.learned import DiscoPolicy
-from disco.replay import expand_policies, replay_policy
-from disco.training import ExampleCollector
+from disco.speculation.cost_model import CostModel
+from disco.speculation.features import FeatureSpec
+from disco.offline.records import OracleRecord, RecordConfig, compute_record
+from disco.speculation.policies import PolicyFactory
+from disco.speculation.policies.learned import DiscoPolicy
+from disco.offline.replay import expand_policies, replay_policy
+from disco.offline.training import ExampleCollector
 from tests.disco_fixtures import LOOKAHEAD, MAX_NEW_TOKENS, handmade_artifact, tiny_records
 from tests.helpers import ALL_POLICIES, PROMPTS, local_generator
 
@@ -137,7 +137,7 @@ def test_records_cache_round_trip_and_resume(tmp_path, target_model, drafts, tok
     assert len(files) == 2
     files[1].unlink()  # an interrupted run: one prompt missing
     calls = []
-    import disco.oracle_records as module
+    import disco.offline.records as module
 
     original = module.compute_record
     monkeypatch.setattr(module, "compute_record", lambda *a, **k: calls.append(1) or original(*a, **k))

@@ -8,12 +8,13 @@ import json
 import numpy as np
 import pytest
 
-from disco.cost_model import CostModel, measure
-from disco.datasets import load_dataset
+from disco.engines.engine_costs import measure_cost_model
+from disco.speculation.cost_model import CostModel
+from disco.offline.datasets import load_dataset
 from disco.errors import InvalidRequest
-from disco.features import FeatureExtractor, FeatureSpec
-from disco.signals import TokenSignals
-from disco.classifiers import Examples, _fit_classifier, compile_estimator, make_estimator, raw_score
+from disco.speculation.features import FeatureExtractor, FeatureSpec
+from disco.speculation.signals import TokenSignals
+from disco.offline.classifiers import Examples, _fit_classifier, compile_estimator, make_estimator, raw_score
 
 
 def test_humaneval_split_is_fixed_and_disjoint():
@@ -68,7 +69,7 @@ def test_cost_model_json_round_trip_and_extrapolation(tmp_path):
 
 
 def test_measure_on_tiny_engines(target_model, drafts):
-    cost = measure(target_model, drafts["noisy"], max_k=3, repeats=1, prompt_len=16, ks=(0, 1, 3))
+    cost = measure_cost_model(target_model, drafts["noisy"], max_k=3, repeats=1, prompt_len=16, ks=(0, 1, 3))
     assert cost.t_draft > 0 and len(cost.t_verify) == 4 and all(v > 0 for v in cost.t_verify)
 
 
@@ -120,7 +121,7 @@ def test_compiled_classifier_matches_sklearn(kind):
 
 
 def test_stop_rule_statistics_and_grids():
-    from disco.policies.stop_rules import StopRule, threshold_grid
+    from disco.speculation.policies.stop_rules import StopRule, threshold_grid
 
     assert StopRule("token", 0.5).statistic(3, 0.4, 0.1) == 0.4
     assert StopRule("cumulative", 0.5).statistic(3, 0.4, 0.1) == 0.1
@@ -140,7 +141,7 @@ def test_stop_rule_statistics_and_grids():
 
 
 def test_disco_policy_cumulative_rule_multiplies_within_a_block():
-    from disco.policies.base import Decision
+    from disco.speculation.policies.base import Decision
     from tests.disco_fixtures import handmade_artifact
 
     artifact = handmade_artifact(threshold=0.5, label="conditional")
@@ -163,7 +164,7 @@ def test_disco_policy_cumulative_rule_multiplies_within_a_block():
 
 
 def test_conditional_label_only_counts_tokens_after_an_accepted_prefix():
-    from disco.training import ExampleCollector
+    from disco.offline.training import ExampleCollector
 
     class Record:
         matches = np.array([1, 0, 1, 1], dtype=bool)

@@ -1,4 +1,4 @@
-"""Measured engine costs (disco.engine_costs) and `disco models calibrate`: a sane
+"""Measured engine costs (disco.engines.engine_costs) and `disco models calibrate`: a sane
 structure on tiny models, the cache per (model, engine, device, threads), and the CLI.
 Timings themselves are never asserted."""
 
@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 
-from disco import engine_costs
-from disco.engine_costs import CostRequest, EngineCosts, load_or_measure, measure_forward_costs
+from disco.engines import engine_costs
+from disco.engines.engine_costs import CostRequest, EngineCosts, load_or_measure, measure_forward_costs
 from disco.errors import InvalidRequest
-from orchestrator.cli import main
+from disco_cli.main import main
 
 SMALL = CostRequest(max_new_tokens=4, context_tokens=24, repeats=2)
 
@@ -114,8 +114,8 @@ def test_calibrate_cli_refuses_bad_flags(capsys, tiny_pair_dirs, tmp_path):
 
 def test_bench_section_measures_loaded_models_and_reads_the_cache_otherwise(tiny_pair_dirs, tmp_path):
     from disco.config import ModelConfig, PairConfig
-    from disco.models import load_model
-    from orchestrator.bench.report import engine_costs as bench_costs
+    from disco.models.loading import load_model
+    from disco_cli.bench.report import engine_costs as bench_costs
 
     pair = PairConfig(target=ModelConfig(spec=str(tiny_pair_dirs["target"]), dtype="float32"),
                       draft=ModelConfig(spec=str(tiny_pair_dirs["draft"]), dtype="float32"))

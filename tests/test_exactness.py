@@ -147,7 +147,7 @@ def test_stop_string_inside_a_draft_block(policy, drafts, target_model, tokenize
 
 
 def test_streamed_text_concatenates_to_the_result(drafts, target_model, tokenizer):
-    from disco.loop import GenerationResult, TokenChunk
+    from disco.speculation.loop import GenerationResult, TokenChunk
     generator = local_generator(target_model, drafts["noisy"], tokenizer)
     chunks, result = [], None
     for event in generator.stream(tokenizer(PROMPTS[0])["input_ids"], greedy(), SpeculationConfig(policy="static:3")):

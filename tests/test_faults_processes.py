@@ -9,7 +9,7 @@ processes (the tiny pair from its HF folders), the orchestrator in this process.
 
 NOTE: the replacements listen in this process (same models, same ports): what is under
 test is the orchestrator finding a new server behind an address it saw die, and a
-third `python -m orchestrator.cli` start would add ~15 s of torch imports on a busy CI
+third `python -m disco_cli.main` start would add ~15 s of torch imports on a busy CI
 machine for nothing more.
 """
 
@@ -29,13 +29,13 @@ import draft_service.server
 import orchestrator.server
 import target_service.server
 from disco.config import ModelConfig, SamplingParams, SpeculationConfig
-from disco.models import load_model
+from disco.models.loading import load_model
 from disco.errors import Unavailable
 from orchestrator.client import DiscoClient, DiscoRpcError
 from orchestrator.remote import CallScope, RemoteDrafter
 from orchestrator.server import load_tokenizer
-from protos.runtime import CHANNEL_OPTIONS, KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
-from protos.security import secure_channel
+from protos.runtime.server import CHANNEL_OPTIONS, KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
+from protos.runtime.tls import secure_channel
 from tests.helpers import PROMPTS, local_generator
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,7 +47,7 @@ LONG = dict(policy="static:1", max_new_tokens=300, ignore_eos=True)
 
 def spawn(role: str, folder, home, port: int = 0) -> subprocess.Popen:
     env = {**os.environ, "DISCO_HOME": str(home), "PYTHONPATH": REPO}
-    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", f"{role}-server", "--model", str(folder),
+    return subprocess.Popen([sys.executable, "-m", "disco_cli.main", f"{role}-server", "--model", str(folder),
                              "--dtype", "float32", "--threads", "1", "--port", str(port), "--json"],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 

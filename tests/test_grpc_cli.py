@@ -12,8 +12,8 @@ import pytest
 import draft_service.server
 import target_service.server
 from disco.config import ModelConfig
-from disco.models import load_model
-from orchestrator.cli import main
+from disco.models.loading import load_model
+from disco_cli.main import main
 from orchestrator.client import DiscoClient
 from orchestrator.server import load_tokenizer
 from tests.grpc_fixtures import free_port, start_orchestrator
@@ -80,7 +80,7 @@ def test_info_json_and_unreachable_server(capsys, served_pair):
 
 @pytest.mark.slow  # NOTE: four Python processes importing torch take ~40 s on 2 busy cores
 def test_serve_runs_three_processes_and_stops_on_sigterm(tiny_pair_dirs):
-    command = [sys.executable, "-m", "orchestrator.cli", "serve", "--target", str(tiny_pair_dirs["target"]),
+    command = [sys.executable, "-m", "disco_cli.main", "serve", "--target", str(tiny_pair_dirs["target"]),
                "--draft", str(tiny_pair_dirs["draft"]), "--dtype", "float32", "--port", "0", "--json"]
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -17,7 +17,7 @@ from protos import convert
 from protos.disco.v1 import common_pb2, draft_pb2, draft_pb2_grpc, orchestrator_pb2_grpc, target_pb2, target_pb2_grpc
 from disco.errors import Unavailable
 from orchestrator.remote import CallScope
-from protos.runtime import Cancelled, DeadlineExceeded, start_server, status_for
+from protos.runtime.server import Cancelled, DeadlineExceeded, start_server, status_for
 from tests.grpc_fixtures import free_port, grpc_stacks, loaded, start_orchestrator  # noqa: F401 - fixture
 from tests.helpers import PROMPTS
 

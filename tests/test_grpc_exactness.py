@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from disco.config import SamplingParams, SpeculationConfig
-from disco.policies import POLICY_INFOS
+from disco.speculation.policies import POLICY_INFOS
 from orchestrator.client import AsyncDiscoClient
 from tests.grpc_fixtures import DRAFT_KINDS, grpc_stacks  # noqa: F401 - fixture
 from tests.helpers import PROMPTS, local_generator

@@ -19,8 +19,8 @@ import torch
 import draft_service.server
 import target_service.server
 from disco.config import SamplingParams, SpeculationConfig
-from disco.policies import PolicyFactory
-from disco.policies.learned import make_learned_loader
+from disco.speculation.policies import PolicyFactory
+from disco.speculation.policies.learned import make_learned_loader
 from orchestrator.client import DiscoClient
 from tests.grpc_fixtures import CLIENT_TIMEOUT_S, loaded, start_orchestrator
 from tests.helpers import local_generator

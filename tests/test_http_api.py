@@ -23,10 +23,11 @@ from prometheus_client.parser import text_string_to_metric_families
 import draft_service.server
 import orchestrator.server
 import target_service.server
+from disco_cli.bench.latency import AddedLatency
 from orchestrator.client import DiscoClient
 from orchestrator.http.config import HttpConfig
 from orchestrator.http.server import start_in_thread
-from protos.security import TlsFiles
+from protos.runtime.tls import TlsFiles
 from tests.grpc_fixtures import CLIENT_TIMEOUT_S, free_port, loaded
 from tests.pki import Authority
 
@@ -50,7 +51,8 @@ class Stack:
         serve = orchestrator.server.serve
         self.orch = serve(chat_tokenizer, self.draft.address, self.target.address)
         self.secure_orch = serve(chat_tokenizer, self.draft.address, self.target.address, auth_token=TOKEN)
-        self.slow_orch = serve(chat_tokenizer, self.draft.address, self.target.address, added_rtt_s=0.05)
+        self.slow_orch = serve(chat_tokenizer, self.draft.address, self.target.address,
+                               backend_interceptors=[AddedLatency(0.05)])
         self.http = start_in_thread(HttpConfig(self.orch.address, port=0))
         self.secure_http = start_in_thread(HttpConfig(self.secure_orch.address, port=0, auth_token=TOKEN))
         self.tokenless_http = start_in_thread(HttpConfig(self.secure_orch.address, port=0))  # forwards no token
@@ -307,7 +309,8 @@ def test_an_error_mid_stream_is_one_error_event_then_the_end(stack, target_model
     """The target service goes away mid-stream: the status line was 200 already, so the
     error arrives as one event carrying the error object, and no ``[DONE]`` follows."""
     target = target_service.server.serve(loaded(target_model, tokenizer, MODEL))
-    orch = orchestrator.server.serve(tokenizer, stack.draft.address, target.address, added_rtt_s=0.02)
+    orch = orchestrator.server.serve(tokenizer, stack.draft.address, target.address,
+                                     backend_interceptors=[AddedLatency(0.02)])
     gateway = start_in_thread(HttpConfig(orch.address, port=0))
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
     try:
@@ -372,7 +375,7 @@ def test_https_in_front_of_a_tls_deployment_with_a_token(target_model, drafts, t
 
 def spawn(*argv):
     env = {key: value for key, value in os.environ.items() if key != "DISCO_AUTH_TOKEN"}
-    return subprocess.Popen([sys.executable, "-m", "deploy.cli", *argv, "--json"], cwd=REPO, env=env, text=True,
+    return subprocess.Popen([sys.executable, "-m", "disco_cli.main", *argv, "--json"], cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 

@@ -12,16 +12,16 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from disco import quantize
-from disco.dense_prefill import DENSE_MIN_ROWS, dense_prefill
+from disco.models import quantize
+from disco.models.weight_only import DENSE_MIN_ROWS, dense_prefill
 from disco.config import ModelConfig, SamplingParams, SpeculationConfig
 from disco.errors import InvalidRequest
-from disco.models import load_model, quantized_folder
+from disco.models.loading import load_model, quantized_folder
 from disco.platform import resolve_dtype
-from disco.quantize import Int8Linear, quantize_model, quantize_weight
+from disco.models.quantize import Int8Linear, quantize_model, quantize_weight
 from protos.convert import service_info_pb
-from protos.metrics import ServerMetrics
-from disco.sessions import SessionLimits
+from protos.runtime.metrics import ServerMetrics
+from disco.engines.sessions import SessionLimits
 from tests import tiny
 from tests.helpers import PROMPTS, local_generator
 
@@ -220,7 +220,7 @@ def test_engine_is_reported_by_info_and_metrics(tiny_pair_dirs, tmp_path):
 
 
 def test_generate_cli_names_the_int8_engine(capsys, tiny_pair_dirs, tmp_path, monkeypatch):
-    from orchestrator.cli import main
+    from disco_cli.main import main
 
     monkeypatch.setenv("DISCO_HOME", str(tmp_path))
     code = main(["generate", "--target", str(tiny_pair_dirs["target"]), "--draft", str(tiny_pair_dirs["draft"]),
@@ -257,8 +257,8 @@ def test_explicit_dtype_is_kept(dtype):
                                                              ({"amx_bf16"}, "bfloat16", "int4")])
 def test_cli_resolves_auto_once_at_the_entry_point(monkeypatch, flags, expected, draft_expected):
     import disco.platform
-    from orchestrator.cli import build_parser
-    from orchestrator.commands.common import pair_config_from_args
+    from disco_cli.main import build_parser
+    from disco_cli.commands.common import pair_config_from_args
 
     monkeypatch.setattr(disco.platform, "cpu_flags", lambda: frozenset(flags))
     args = build_parser().parse_args(["generate", "--prompt", "x"])

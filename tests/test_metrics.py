@@ -13,8 +13,8 @@ import draft_service.server
 import orchestrator.server
 import target_service.server
 from orchestrator.client import DiscoClient, DiscoRpcError
-from protos.logs import ContextFilter, JsonFormatter, TextFormatter
-from protos.metrics import sample_value
+from protos.runtime.logs import ContextFilter, JsonFormatter, TextFormatter
+from protos.runtime.metrics import sample_value
 from tests.grpc_fixtures import free_port, loaded
 from tests.helpers import PROMPTS
 
@@ -146,7 +146,7 @@ def test_log_lines_carry_the_call_and_session(stack, tokenizer, formatter):
     assert lines, out.getvalue()
     if formatter is JsonFormatter:
         entry = json.loads(lines[0])
-        assert entry["level"] == "WARNING" and entry["logger"] == "disco.loop"
+        assert entry["level"] == "WARNING" and entry["logger"] == "disco.speculation.loop"
         assert entry["rpc"] == "/disco.v1.Orchestrator/GenerateUnary" and len(entry["session_id"]) >= 32
         assert entry["session_id"] in entry["message"]
     else:

@@ -1,4 +1,4 @@
-"""Overlapped drafting (disco.predraft): the draft engine pre-drafts the next block while
+"""Overlapped drafting (disco.engines.predraft): the draft engine pre-drafts the next block while
 the target verifies, guessing that the whole block is accepted. Output must stay exact
 (greedy == target-only, sampling keeps the target distribution), a pre-draft must be used
 only on a right guess, and no worker thread may outlive its session."""
@@ -15,16 +15,16 @@ import torch
 from scipy.stats import chisquare
 
 from disco.config import SamplingParams, SpeculationConfig
-from disco.draft_engine import DraftEngine
+from disco.engines.draft import DraftEngine
 from disco.errors import InvalidRequest, SessionNotFound
 from disco.interfaces import DraftSummary, DraftToken, Feedback
-from disco.loop import SpeculativeGenerator
-from disco.pipeline import make_decode
-from disco.policies import PolicyFactory
-from disco.policies.learned import make_learned_loader
-from disco.sampling import logits_to_probs
+from disco.speculation.loop import SpeculativeGenerator
+from disco.engines.in_process import make_decode
+from disco.speculation.policies import PolicyFactory
+from disco.speculation.policies.learned import make_learned_loader
+from disco.speculation.sampling import logits_to_probs
 from disco.stats import RequestStats
-from disco.target_engine import TargetEngine
+from disco.engines.target import TargetEngine
 from tests import tiny
 from tests.helpers import EOS_ID, PROMPTS, local_generator
 

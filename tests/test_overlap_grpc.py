@@ -19,17 +19,17 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 import draft_service.server
 import target_service.server
 from disco.config import SamplingParams, SpeculationConfig
-from disco.draft_engine import DraftEngine
+from disco.engines.draft import DraftEngine
 from disco.errors import SessionNotFound
 from disco.interfaces import DraftSummary
-from disco.policies import PolicyFactory
-from disco.policies.learned import make_learned_loader
-from disco.predraft import Predraft
+from disco.speculation.policies import PolicyFactory
+from disco.speculation.policies.learned import make_learned_loader
+from disco.engines.predraft import Predraft
 from disco.stats import RequestStats
 from orchestrator.client import DiscoClient, build_request
 from protos import convert
 from protos.disco.v1 import draft_pb2, orchestrator_pb2
-from protos.metrics import sample_value
+from protos.runtime.metrics import sample_value
 from protos.stats import stats_from_pb, stats_to_pb
 from tests.grpc_fixtures import CLIENT_TIMEOUT_S, loaded, start_orchestrator
 from tests.helpers import PROMPTS, local_generator
@@ -300,8 +300,8 @@ class _Started(Exception):
 
 
 def test_draft_server_and_serve_pass_overlap_on(monkeypatch, tmp_path, tiny_pair_dirs):
-    from orchestrator import launcher
-    from orchestrator.cli import main
+    from disco_cli import launcher
+    from disco_cli.main import main
 
     monkeypatch.setenv("DISCO_HOME", str(tmp_path))
     calls: list[dict] = []
@@ -325,7 +325,7 @@ def test_draft_server_and_serve_pass_overlap_on(monkeypatch, tmp_path, tiny_pair
 
 def test_launch_passes_overlap_to_the_draft_child_only(monkeypatch):
     from disco.config import ModelConfig, PairConfig
-    from orchestrator import launcher
+    from disco_cli import launcher
 
     spawned: list[list[str]] = []
 
@@ -352,7 +352,7 @@ def test_launch_passes_overlap_to_the_draft_child_only(monkeypatch):
 def test_disco_up_and_the_ray_actor_pass_overlap(monkeypatch, tmp_path, tiny_pair_dirs):
     pytest.importorskip("ray")
     from deploy import ray_actors, ray_head, ray_launcher
-    from deploy.cli import main
+    from disco_cli.main import main
 
     monkeypatch.setenv("DISCO_HOME", str(tmp_path))
     monkeypatch.setattr(ray_head, "use_token_auth", lambda generate: False)

@@ -3,9 +3,9 @@
 import pytest
 
 from disco.errors import InvalidRequest
-from disco.policies import Decision, PolicyFactory, parse_policy_spec
-from disco.policies.simple import AdaptiveConfidencePolicy, EntropyPolicy, HeuristicPolicy
-from disco.signals import TokenSignals
+from disco.speculation.policies import Decision, PolicyFactory, parse_policy_spec
+from disco.speculation.policies.simple import AdaptiveConfidencePolicy, EntropyPolicy, HeuristicPolicy
+from disco.speculation.signals import TokenSignals
 
 
 def signals(top1, entropy=1.0):

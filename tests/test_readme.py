@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.cli import build_parser
+from disco_cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

@@ -8,7 +8,7 @@ import torch
 from scipy.stats import chisquare
 
 from disco.config import SamplingParams, SpeculationConfig
-from disco.sampling import logits_to_probs
+from disco.speculation.sampling import logits_to_probs
 from tests import tiny
 from tests.helpers import PROMPTS, local_generator
 

@@ -7,7 +7,7 @@ import torch
 from scipy.stats import chisquare
 
 from disco.config import SamplingParams
-from disco.sampling import greedy_accept, logits_to_probs, make_generator, rejection_sample
+from disco.speculation.sampling import greedy_accept, logits_to_probs, make_generator, rejection_sample
 
 
 def one_hot_logits(argmaxes, vocab=6):

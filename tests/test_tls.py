@@ -11,10 +11,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import draft_service.server
 import orchestrator.server
 import target_service.server
-from orchestrator.cli import main
+from disco_cli.main import main
 from orchestrator.client import AsyncDiscoClient, DiscoClient, DiscoRpcError
 from protos.disco.v1 import common_pb2, target_pb2_grpc
-from protos.security import TlsFiles, secure_channel
+from protos.runtime.tls import TlsFiles, secure_channel
 from tests.grpc_fixtures import loaded
 from tests.helpers import PROMPTS
 from tests.pki import Authority
@@ -182,11 +182,11 @@ def test_disco_serve_with_tls_token_metrics_and_json_logs(pki, tiny_pair_dirs, t
     import sys
     import urllib.request
 
-    from protos.metrics import sample_value
+    from protos.runtime.metrics import sample_value
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     server, log = pki["server"], tmp_path / "serve.log"
-    command = [sys.executable, "-m", "orchestrator.cli", "serve", "--target", str(tiny_pair_dirs["target"]),
+    command = [sys.executable, "-m", "disco_cli.main", "serve", "--target", str(tiny_pair_dirs["target"]),
                "--draft", str(tiny_pair_dirs["draft"]), "--dtype", "float32", "--port", "0", "--json",
                "--tls-cert", str(server.cert), "--tls-key", str(server.key), "--tls-ca", str(pki["ca"].ca),
                "--metrics-port", "0", "--log-format", "json"]

@@ -6,7 +6,7 @@ other processes hits all of them alike, and prints the median per engine and row
 
 * ``bf16``: ``F.linear`` with bfloat16 weights and activations (the dense engine);
 * ``int8pack``: ``torch._weight_int8pack_mm`` called directly (int8 weights, bf16 activations);
-* ``Int8Linear``: :class:`disco.quantize.Int8Linear` (the module over that op);
+* ``Int8Linear``: :class:`disco.models.quantize.Int8Linear` (the module over that op);
 * ``torchao``: ``torchao.quantization.Int8WeightOnlyConfig`` applied with ``quantize_``
   (what transformers' ``TorchAoConfig("int8_weight_only")`` runs), when torchao imports;
 * ``deq-fp32`` (with ``--dequant``): dequantize the int8 weight to float32 on every call
@@ -43,7 +43,7 @@ tune_cpu_math_env()  # before torch, as the CLI does
 
 import torch  # noqa: E402
 
-from disco.quantize import Int8Linear, quantize_weight  # noqa: E402
+from disco.models.quantize import Int8Linear, quantize_weight  # noqa: E402
 
 
 def _engines(linear: torch.nn.Linear, with_torchao: bool,

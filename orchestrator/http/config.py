@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from disco.errors import DiscoError
 from orchestrator.client import DEFAULT_TIMEOUT_S, client_tls
 from orchestrator.http import DEFAULT_HTTP_PORT
-from protos.runtime import format_address
-from protos.security import TlsFiles
+from protos.runtime.server import format_address
+from protos.runtime.tls import TlsFiles
 
 #: Hosts that mean "every interface": a server bound there is reached through loopback.
 ANY_HOST = ("0.0.0.0", "::", "[::]", "")

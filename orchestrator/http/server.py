@@ -15,7 +15,7 @@ import uvicorn
 from disco.errors import DiscoError
 from orchestrator.http.app import create_app
 from orchestrator.http.config import HttpConfig
-from protos.runtime import format_address
+from protos.runtime.server import format_address
 
 STARTUP_TIMEOUT_S = 30.0
 #: How long open streams may run on after a stop before they are cut.

@@ -1,0 +1,149 @@
+"""Cross-session batching: the forwards of concurrent sessions run as one forward pass.
+
+Each session keeps its own :class:`~disco.engines.kv.CachedSequence`. When several sessions ask
+for a forward at the same time (concurrent verifications in the target service,
+concurrent drafting steps in the draft service), :class:`ForwardBatcher` runs them as
+one *packed* forward: the pending tokens of all sessions form one row, each with its own
+position ids, and attention runs per session over the session's own cache
+(:mod:`disco.engines.packed_forward`). Every session gets exactly the numbers its own forward
+would give — in bf16 too, bit for bit — so batching never changes a token; a lone
+request is a packed forward of one. Prefills go through the same batcher (a prefill feeds
+all prompt tokens but the last and asks for no logits), so sessions that start together
+are prefilled together; the LM head runs once over every row asked for.
+
+Batching window: the sessions of a batch come back for their next step at slightly
+different times (each has a network round trip and some bookkeeping in between).
+Without waiting, the first one back would run alone and the rest as a second batch —
+two forwards per step instead of one. So the leader waits, at most ``max_wait_s`` and
+at most ``wait_fraction`` of the last forward's duration, for as many requests as there
+were live sessions in the last *round* (the sessions served between two forwards of the
+same session). A lone stream never waits (its round has one session); a session that
+ended drops out of the round as soon as its sequence is freed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from disco.engines.kv import CachedSequence
+from disco.engines.packed_forward import supports_packing
+from disco.engines.packing_proof import PackingVerdict, prove_packing
+
+
+@dataclass
+class _Request:
+    sequence: CachedSequence
+    num_logits: int  # 0: a prefill (feed all tokens but the last, no logits)
+    want_hidden: bool
+    done: threading.Event = field(default_factory=threading.Event)
+    result: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    error: BaseException | None = None
+
+
+class ForwardBatcher:
+    """Coalesces concurrent :meth:`CachedSequence.forward` calls on one model.
+
+    Leader/follower: the first caller to find no batch running becomes the leader and
+    runs batches until the queue is empty; the others wait for their result. No thread
+    of its own, so nothing to start or stop.
+    """
+
+    def __init__(self, model: torch.nn.Module, max_batch: int = 16, max_wait_s: float = 0.02,
+                 wait_fraction: float = 0.05) -> None:
+        self.model = model
+        # Packed only where the model supports it and this machine proves it exact; else one by one.
+        self.verdict = (prove_packing(model, max(1, max_batch)) if supports_packing(model)
+                        else PackingVerdict(False, "one by one (the model has no packed forward)"))
+        self.packed = self.verdict.packed
+        self.max_batch = max(1, max_batch) if self.packed else 1
+        self.max_wait_s = max_wait_s
+        self.wait_fraction = wait_fraction
+        self.model_lock = threading.Lock()  # one forward on the model at a time
+        self._queue = threading.Condition(threading.Lock())
+        self._pending: list[_Request] = []
+        self._leading = False
+        # Sequences served in the current and in the last complete round (weak: an ended
+        # session's sequence is freed and leaves them); their count is the batch to wait for.
+        self._round: weakref.WeakSet[CachedSequence] = weakref.WeakSet()
+        self._last_round: weakref.WeakSet[CachedSequence] = weakref.WeakSet()
+        self._last_forward_s = 0.0
+        self.batch_sizes: list[int] = []  # observability: size of every batch run (bounded)
+
+    def prefill(self, sequence: CachedSequence) -> None:
+        """:meth:`CachedSequence.prefill`, batched with concurrent prefills and forwards."""
+        if len(sequence.tokens) - 1 > sequence.cache_len:
+            self.forward(sequence, 0)
+
+    def forward(self, sequence: CachedSequence, num_logits: int,
+                want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Same contract as :meth:`CachedSequence.forward` (logits ``[num_logits, vocab]``);
+        ``num_logits=0`` prefills instead (see :meth:`prefill`) and returns empty logits."""
+        request = _Request(sequence, num_logits, want_hidden)
+        with self._queue:
+            self._pending.append(request)
+            lead = not self._leading
+            self._leading = self._leading or lead
+            self._queue.notify_all()
+        if lead:
+            self._lead()
+        request.done.wait()
+        if request.error is not None:
+            raise request.error
+        assert request.result is not None
+        return request.result
+
+    def _lead(self) -> None:
+        while True:
+            with self._queue:
+                self._await_peers()
+                batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch:]
+                if not batch:
+                    self._leading = False
+                    return
+            self._run(batch)
+
+    def _await_peers(self) -> None:
+        """Wait (queue lock held) for as many requests as the last batch had, bounded."""
+        expected = min(len(self._last_round | self._round), self.max_batch)
+        window_s = min(self.max_wait_s, self.wait_fraction * self._last_forward_s)
+        if not self._pending or len(self._pending) >= expected or window_s <= 0:
+            return
+        deadline = time.monotonic() + window_s
+        while len(self._pending) < expected:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self._queue.wait(remaining)
+
+    def _count_round(self, served: list[CachedSequence]) -> None:
+        with self._queue:
+            if any(sequence in self._round for sequence in served):  # one is back: the round is complete
+                self._last_round, self._round = self._round, weakref.WeakSet(served)
+            else:
+                self._round.update(served)
+
+    def _run(self, batch: list[_Request]) -> None:
+        try:
+            started = time.perf_counter()
+            with self.model_lock:
+                if self.packed:
+                    results = CachedSequence.forward_batch([r.sequence for r in batch], [r.num_logits for r in batch],
+                                                           [r.want_hidden for r in batch])
+                else:  # a model without packed forwards: one by one
+                    results = [r.sequence.step(r.num_logits, r.want_hidden) for r in batch]
+                for request, result in zip(batch, results):
+                    request.result = result
+            self._last_forward_s = time.perf_counter() - started
+            self._count_round([request.sequence for request in batch])
+            self.batch_sizes = (self.batch_sizes + [len(batch)])[-1000:]
+        except BaseException as error:  # noqa: BLE001 - handed to every waiting caller
+            for request in batch:
+                request.error = error
+        finally:
+            for request in batch:
+                request.done.set()
+

@@ -1,0 +1,295 @@
+"""Draft engine: per-session draft KV caches and the drafting loop that asks the
+session's stop policy after every draft token (DISCO's stop decision lives here).
+
+With ``overlap=True`` the engine drafts the next block in the background while the target
+verifies the last one, on the guess that the whole block is accepted (see
+:mod:`disco.engines.predraft`); the next ``draft`` call uses it on a hit and drops it on a miss.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from disco.config import SamplingParams
+from disco.errors import InvalidRequest, SessionNotFound
+from disco.interfaces import DraftEvent, DraftSummary, DraftToken, Feedback, PrefillResult
+from disco.engines.batching import ForwardBatcher
+from disco.engines.kv import CachedSequence
+from disco.speculation.policies import Decision, PolicyFactory, StopPolicy, block_budget
+from disco.engines.predraft import Predraft, can_predraft
+from disco.speculation.sampling import logits_to_probs, make_generator
+from disco.engines.sessions import SessionLimits, SessionStore
+from disco.speculation.signals import TokenSignals, token_signals
+
+
+@dataclass
+class DraftSession:
+    sequence: CachedSequence
+    policy: StopPolicy
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    block_base: int = 0  # sequence length before the block awaiting feedback
+    block_size: int = 0  # draft tokens handed out in that block
+    awaiting_feedback: bool = False
+    overlap: bool = False  # pre-draft the next block while this one is verified
+    predraft: Predraft | None = None  # the next block, drafted in the background (overlap)
+    closed: bool = False  # ended: no pre-draft may start any more
+    predraft_guard: threading.Lock = field(default_factory=threading.Lock)  # predraft/closed vs end_session
+
+
+@dataclass
+class _BlockStart:
+    """How a block begins once the feedback is applied: on an overlap hit, with the
+    pre-drafted tokens (already in the sequence)."""
+
+    budget: int  # lookahead budget of the block
+    tokens: list[DraftToken] = field(default_factory=list)  # pre-drafted tokens to stream first
+    stop_reason: str | None = None  # set when the pre-draft already ended the block
+    forwards: int = 0  # background forwards consumed by this call (used or wasted)
+    hit: bool = False
+    miss: bool = False
+    wasted: int = 0  # pre-drafted tokens dropped
+
+
+class DraftEngine:
+    """Implements :class:`disco.interfaces.Drafter` over a local HF causal LM."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        policy_factory: PolicyFactory,
+        limits: SessionLimits = SessionLimits(),
+        max_batch: int = 16,
+        overlap: bool = False,
+    ) -> None:
+        """``overlap``: pre-draft the next block while the last one is verified (the
+        default of sessions whose request does not say)."""
+        self.model = model
+        self.overlap = overlap
+        self.policy_factory = policy_factory
+        self.max_context = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+        self.sessions: SessionStore[DraftSession] = SessionStore(limits)
+        # Concurrent sessions' forwards run as one padded batch (see disco.engines.batching).
+        self.batcher = ForwardBatcher(model, max_batch)
+
+    def start_session(
+        self,
+        session_id: str,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        policy_spec: str,
+        reference_ids: Sequence[int] | None = None,
+        overlap: bool | None = None,
+    ) -> PrefillResult:
+        started = time.perf_counter_ns()
+        if not prompt_ids:
+            raise InvalidRequest("prompt is empty")
+        if len(prompt_ids) >= self.max_context:
+            raise InvalidRequest(
+                f"prompt has {len(prompt_ids)} tokens, the draft model's context is {self.max_context}")
+        vocab_size = int(self.model.config.vocab_size)
+        for name, ids in (("prompt", prompt_ids), ("reference", reference_ids or ())):
+            if any(not 0 <= token < vocab_size for token in ids):
+                raise InvalidRequest(f"{name} token ids must be in [0, {vocab_size})")
+        sampling.validate()
+        self.sessions.check_capacity()  # before paying for a prefill
+        policy = self.policy_factory.build(policy_spec, reference_ids)
+        session = DraftSession(
+            sequence=CachedSequence(self.model, prompt_ids),
+            policy=policy,
+            sampling=sampling,
+            generator=make_generator(sampling.seed),
+            overlap=self.overlap if overlap is None else overlap,
+        )
+        self.batcher.prefill(session.sequence)  # batched with concurrent prefills
+        self.sessions.add(session_id, session)
+        return PrefillResult(prompt_tokens=len(prompt_ids), elapsed_ns=time.perf_counter_ns() - started)
+
+    def end_session(self, session_id: str) -> None:
+        try:
+            session = self.sessions.get(session_id)
+        except SessionNotFound:
+            return
+        self.sessions.remove(session_id)
+        with session.predraft_guard:
+            session.closed = True
+            predraft, session.predraft = session.predraft, None
+        if predraft is not None:
+            predraft.finish()  # no worker thread outlives its session
+
+    def draft(self, session_id: str, feedback: Feedback | None, max_lookahead: int) -> Iterator[DraftEvent]:
+        session = self.sessions.get(session_id)
+        if max_lookahead < 0:
+            raise InvalidRequest(f"max_lookahead must be >= 0, got {max_lookahead}")
+        predraft = session.predraft
+        if predraft is not None:
+            predraft.stop.set()  # at once: the block below waits for it when it starts
+        return self._draft_block(session, session_id, feedback, max_lookahead)
+
+    def _check_feedback(self, session: DraftSession, feedback: Feedback | None) -> None:
+        if feedback is None:
+            if session.awaiting_feedback:
+                raise InvalidRequest("feedback of the previous verification is required")
+            return
+        if not session.awaiting_feedback:
+            raise InvalidRequest("feedback given but no draft block is awaiting verification")
+        if not 0 <= feedback.num_accepted <= session.block_size:
+            raise InvalidRequest(
+                f"feedback accepts {feedback.num_accepted} tokens of a block of {session.block_size}")
+        if not 0 <= feedback.next_token_id < session.sequence.model.config.vocab_size:
+            raise InvalidRequest(f"bonus token id {feedback.next_token_id} is outside the vocabulary")
+
+    def _draft_block(self, session: DraftSession, session_id: str, feedback: Feedback | None,
+                     max_lookahead: int) -> Iterator[DraftEvent]:
+        """The drafting loop. The session lock is taken when iteration starts (so a
+        generator that is dropped unstarted holds nothing) and released when it ends."""
+        started = time.perf_counter_ns()
+        if not session.lock.acquire(blocking=False):
+            raise InvalidRequest(f"session {session_id!r} is already drafting")
+        handed_out = False
+        try:
+            self._check_feedback(session, feedback)
+            start = self._start_block(session, feedback, max_lookahead)
+            sequence, policy = session.sequence, session.policy
+            for token in start.tokens:  # an overlap hit: already drafted (and in the sequence)
+                session.block_size += 1
+                yield token
+            forwards, stop_reason = start.forwards, start.stop_reason or "lookahead_cap"
+            for position in range(len(start.tokens), start.budget if start.stop_reason is None else 0):
+                token, decision, _ = self._step(session, policy, position, session.generator)
+                forwards += 1
+                if decision is Decision.DISCARD:
+                    stop_reason = "discarded"
+                    break
+                sequence.tokens.append(token.token_id)
+                session.block_size += 1
+                yield token
+                if decision is Decision.STOP:
+                    stop_reason = "policy"
+                    break
+            handed_out = True
+            yield DraftSummary(forwards=forwards, elapsed_ns=time.perf_counter_ns() - started,
+                               stop_reason=stop_reason, predrafted_used=len(start.tokens),
+                               predrafted_wasted=start.wasted, overlap_hit=start.hit, overlap_miss=start.miss)
+        finally:
+            try:
+                if handed_out:
+                    self._start_predraft(session, session_id, max_lookahead)
+            finally:
+                session.lock.release()
+
+    def _start_block(self, session: DraftSession, feedback: Feedback | None, max_lookahead: int) -> _BlockStart:
+        """Apply the (checked) feedback — on an overlap hit by adopting the pre-draft, else by
+        rolling back to the accepted prefix and appending the bonus token — and size the block."""
+        with session.predraft_guard:
+            predraft, session.predraft = session.predraft, None
+        start, rebuilt = _BlockStart(budget=0), False
+        if predraft is not None:
+            predraft.finish()  # the worker is done with the sequence from here on
+            start.forwards = predraft.forwards
+            if predraft.matches(feedback):
+                return self._adopt_predraft(session, predraft, max_lookahead, start)
+            start.miss, start.wasted = predraft.attempted, len(predraft.tokens)
+            if predraft.error is not None:  # a forward may have failed half-way: rebuild the cache
+                session.sequence, rebuilt = CachedSequence(self.model, session.sequence.tokens), True
+        sequence = session.sequence
+        if feedback is not None:  # on a miss this also drops the guess, the pre-draft and their KV
+            sequence.truncate(session.block_base + feedback.num_accepted)
+            sequence.tokens.append(feedback.next_token_id)
+            session.policy.on_feedback(session.block_size, feedback.num_accepted)
+        if rebuilt:
+            self.batcher.prefill(sequence)
+        session.block_base, session.block_size, session.awaiting_feedback = len(sequence), 0, True
+        room = self.max_context - len(sequence)
+        start.budget = block_budget(session.policy, max_lookahead, room)
+        return start
+
+    def _adopt_predraft(self, session: DraftSession, predraft: Predraft, max_lookahead: int,
+                        start: _BlockStart) -> _BlockStart:
+        """An overlap hit: the guess is the bonus token, the pre-drafted tokens open the block."""
+        sequence, start.hit = session.sequence, True
+        session.block_base, session.block_size, session.awaiting_feedback = predraft.block_end + 1, 0, True
+        if max_lookahead == predraft.max_lookahead:  # the policy copy saw exactly this block start
+            session.policy, start.budget = predraft.policy, predraft.budget
+            kept, stopped = predraft.tokens, predraft.stopped
+        else:  # another cap (the request's end is near): replay the decisions on the policy itself
+            policy = session.policy
+            policy.on_feedback(predraft.block_size, predraft.block_size)
+            room = self.max_context - session.block_base
+            start.budget = block_budget(policy, max_lookahead, room)
+            kept, stopped = [], False
+            for position, (token, signals) in enumerate(zip(predraft.tokens, predraft.signals)):
+                if position >= start.budget:
+                    break
+                kept.append(token)
+                if policy.after_token(position, token.token_id, signals) is not Decision.CONTINUE:
+                    stopped = True
+                    break
+        start.tokens, start.wasted = list(kept), len(predraft.tokens) - len(kept)
+        if start.wasted:
+            sequence.truncate(session.block_base + len(kept))
+            if sequence.num_pending == 0:  # keep the last token pending, as drafting leaves it
+                last = sequence.tokens[-1]
+                sequence.truncate(len(sequence) - 1)
+                sequence.tokens.append(last)
+        if kept and session.generator is not None and predraft.generator_states:
+            session.generator.set_state(predraft.generator_states[len(kept) - 1])
+        if stopped:
+            start.stop_reason = "policy"
+        elif len(kept) >= start.budget:
+            start.stop_reason = "lookahead_cap"
+        return start
+
+    def _start_predraft(self, session: DraftSession, session_id: str, max_lookahead: int) -> None:
+        """Overlap: draft the next block in the background while this one is verified."""
+        if not session.overlap or max_lookahead == 0 or not can_predraft(session.policy):
+            return
+        room = self.max_context - len(session.sequence) - 1  # the guess takes one position
+        predraft = Predraft(session.sequence, session.policy, session.generator, session.block_size, max_lookahead,
+                            room, self.batcher, lambda policy, position, generator: self._step(
+                                session, policy, position, generator), name=f"predraft-{session_id}")
+        with session.predraft_guard:
+            if session.closed:
+                return
+            try:
+                predraft.start()
+            except RuntimeError:  # no thread to be had: no pre-draft this time
+                return
+            session.predraft = predraft
+
+    def _step(self, session: DraftSession, policy: StopPolicy, position: int, generator: torch.Generator | None
+              ) -> tuple[DraftToken, Decision, TokenSignals | None]:
+        """Draft one token and ask the policy about it (the drafting loop's body)."""
+        logits, hidden = self.batcher.forward(session.sequence, 1, want_hidden=policy.needs_hidden)  # [1, vocab]
+        signals = None
+        if policy.needs_signals:  # one softmax serves both the signals and the token's probability
+            token = self._choose(session.sampling, generator, logits[0], want_prob=False)
+            signals = token_signals(logits[0], token.token_id, hidden[0] if hidden is not None else None)
+            if session.sampling.is_greedy:
+                token = DraftToken(token_id=token.token_id, draft_prob=signals.token_prob)
+        else:
+            token = self._choose(session.sampling, generator, logits[0])
+        return token, policy.after_token(position, token.token_id, signals), signals
+
+    @staticmethod
+    def _choose(sampling: SamplingParams, generator: torch.Generator | None,
+                logits: torch.Tensor,  # logits: [vocab]
+                want_prob: bool = True) -> DraftToken:
+        """Greedy: the argmax (its probability only if ``want_prob``; the caller may take it
+        from the signals instead). Sampling: a token from the warped distribution."""
+        if sampling.is_greedy:
+            token_id = int(logits.argmax())
+            prob = float(torch.softmax(logits, -1)[token_id]) if want_prob else float("nan")
+            return DraftToken(token_id=token_id, draft_prob=prob)
+        draft_probs = logits_to_probs(logits, sampling)  # [vocab]
+        token_id = int(torch.multinomial(draft_probs, 1, generator=generator).item())
+        return DraftToken(token_id=token_id, draft_prob=float(draft_probs[token_id]), draft_probs=draft_probs)
+
+    def active_sessions(self) -> int:
+        return len(self.sessions)

@@ -1,0 +1,139 @@
+"""Building the in-process path: load the pair, wrap it in engines, hand both to the loop."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+from disco.config import ModelConfig, PairConfig
+from disco.speculation.cost_model import CostModel
+from disco.speculation.detokenize import Decode
+from disco.engines.draft import DraftEngine
+from disco.errors import InvalidRequest
+from disco.speculation.loop import SpeculativeGenerator
+from disco.models.loading import LoadedModel, check_same_vocabulary, load_model
+from disco.speculation.policies import PolicyFactory
+from disco.speculation.policies.spec import LearnedPolicyLoader
+from disco.engines.target import TargetEngine
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LocalPipeline:
+    generator: SpeculativeGenerator
+    tokenizer: PreTrainedTokenizerBase
+    target: LoadedModel
+    draft: LoadedModel | None
+
+
+def make_decode(tokenizer: PreTrainedTokenizerBase) -> Decode:
+    def decode(token_ids: Sequence[int]) -> str:
+        return tokenizer.decode(list(token_ids), skip_special_tokens=True)
+    return decode
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, chat: bool) -> list[int]:
+    """Token ids of a raw completion prompt, or of a one-message chat with the
+    tokenizer's chat template and the assistant turn opened (``--chat``)."""
+    if not prompt or not prompt.strip():
+        raise InvalidRequest("prompt is empty")
+    if chat:
+        return encode_chat(tokenizer, [{"role": "user", "content": prompt}],
+                           "--chat needs a tokenizer with a chat template, and this one has none")
+    return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+
+#: Roles a conversation may use (what chat templates render).
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def encode_messages(tokenizer: PreTrainedTokenizerBase, messages: Sequence[tuple[str, str]]) -> list[int]:
+    """Token ids of a conversation of ``(role, content)`` messages, checked: known roles,
+    some non-empty content, a user message last (the assistant turn is opened after it)."""
+    for index, (role, _) in enumerate(messages):
+        if role not in CHAT_ROLES:
+            raise InvalidRequest(f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+    if not any(content.strip() for _, content in messages):
+        raise InvalidRequest("prompt is empty: every message's content is empty")
+    if messages[-1][0] != "user":
+        raise InvalidRequest(f"the last message must have role 'user', got {messages[-1][0]!r}")
+    return encode_chat(tokenizer, [{"role": role, "content": content} for role, content in messages],
+                       "chat messages need a tokenizer with a chat template, and this one has none")
+
+
+def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict], no_template_error: str) -> list[int]:
+    """Token ids of a chat with the tokenizer's chat template and the assistant turn opened."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequest(no_template_error)
+    encoded = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+    return [int(i) for i in ids]
+
+
+def default_learned_loader(draft: LoadedModel | None = None) -> LearnedPolicyLoader | None:
+    """The DISCO artifact loader, if the trained-policy module is available. Bound to
+    ``draft`` (when given), it refuses artifacts trained for another draft model."""
+    try:
+        from disco.speculation.policies.learned import make_learned_loader  # noqa: PLC0415
+    except ImportError:
+        return None
+    if draft is None:
+        return make_learned_loader()
+    return make_learned_loader(draft.fingerprint, draft.tokenizer_hash)
+
+
+def build_local_pipeline(pair: PairConfig, home: Path, need_draft: bool = True,
+                         max_new_tokens_limit: int | None = None, measure_costs: bool = False,
+                         overlap: bool = False) -> LocalPipeline:
+    """Load the target (and, unless only ``none`` will run, the draft) and wire them up.
+
+    ``measure_costs``: give the loop the engines' measured costs (cached under ``home``;
+    measured on first use), which the ``auto`` policy reads. ``overlap``: the draft engine
+    pre-drafts the next block while the target verifies (:mod:`disco.engines.predraft`)."""
+    target = load_model(pair.target, "target", home)
+    draft = None
+    if need_draft:
+        draft = load_model(pair.draft, "draft", home)
+        check_same_vocabulary(target, draft)
+    costs = _measured_costs(pair, target, draft, home) if measure_costs and draft is not None else None
+    drafter = _drafter(draft, overlap) if draft else None
+    generator = SpeculativeGenerator(
+        drafter=drafter,
+        verifier=TargetEngine(target.model),
+        decode=make_decode(target.tokenizer),
+        eos_token_ids=target.eos_token_ids,
+        max_new_tokens_limit=max_new_tokens_limit,
+        costs=costs,
+    )
+    return LocalPipeline(generator=generator, tokenizer=target.tokenizer, target=target, draft=draft)
+
+
+def _measured_costs(pair: PairConfig, target: LoadedModel, draft: LoadedModel, home: Path) -> CostModel:
+    """In-process cost model: the target's forwards over 1..9 new tokens, the draft's per token."""
+    from disco.engines import engine_costs  # noqa: PLC0415
+
+    return engine_costs.to_cost_model(engine_costs.measure_loaded(target, pair.target, "target", home),
+                                      engine_costs.measure_loaded(draft, pair.draft, "draft", home))
+
+
+__all__ = ["LocalPipeline", "build_local_pipeline", "encode_prompt", "make_decode", "ModelConfig"]
+
+
+def with_overlap(pipeline: LocalPipeline, overlap: bool) -> SpeculativeGenerator:
+    """A generator on the same models and target engine whose draft engine pre-drafts
+    (``overlap``) or not: both modes side by side in one process (``disco bench --overlap off,on``)."""
+    base = pipeline.generator
+    drafter = _drafter(pipeline.draft, overlap) if pipeline.draft is not None else None
+    return SpeculativeGenerator(drafter=drafter, verifier=base.verifier, decode=base.decode,
+                                eos_token_ids=base.eos_token_ids, max_new_tokens_limit=base.max_new_tokens_limit,
+                                costs=base.costs)
+
+
+def _drafter(draft: LoadedModel, overlap: bool) -> DraftEngine:
+    """The draft engine over ``draft`` with the learned policies its artifacts allow."""
+    return DraftEngine(draft.model, PolicyFactory(default_learned_loader(draft)), overlap=overlap)

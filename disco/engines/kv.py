@@ -1,0 +1,96 @@
+"""A token sequence plus the KV cache that covers a prefix of it.
+
+Both engines keep one :class:`CachedSequence` per session. Invariant: the cache holds
+exactly ``tokens[:cache_len]``; the rest of ``tokens`` is *pending* and is fed to the
+model by the next :meth:`CachedSequence.forward`. Rolling back to an accepted prefix is
+:meth:`truncate`, which crops the cache (transformers 5.x ``DynamicCache.crop`` takes
+the negative number of positions to remove).
+
+Forwards go through :func:`disco.engines.packed_forward.packed_forward` (a batch of one), the
+same code the cross-session batcher runs, so a session computes the same bits alone and
+in a batch, and a verified block the same bits as decoding it token by token.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache
+
+from disco.engines.packed_forward import SessionRows, packed_forward, supports_packing
+
+
+class CachedSequence:
+    def __init__(self, model: torch.nn.Module, token_ids: Sequence[int]) -> None:
+        self.model = model
+        self.tokens: list[int] = list(token_ids)
+        self.cache = DynamicCache(config=model.config)
+        self.cache_len = 0
+        self.device = next(model.parameters()).device
+        self.packed = supports_packing(model)  # else: plain HF forwards (no batching)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.tokens) - self.cache_len
+
+    @torch.inference_mode()
+    def forward(
+        self, num_logits: int, want_hidden: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feed every pending token; return the logits of the last ``num_logits``
+        positions ``[num_logits, vocab]`` (float32) and, if asked, their last hidden
+        states ``[num_logits, hidden]``. Afterwards the cache covers all tokens."""
+        assert 1 <= num_logits <= self.num_pending, (num_logits, self.num_pending)
+        return self.step(num_logits, want_hidden)
+
+    @torch.inference_mode()
+    def prefill(self) -> None:
+        """Feed all tokens but the last into the cache (the last stays pending, so the
+        next forward yields the first new token's distribution)."""
+        if len(self.tokens) - 1 > self.cache_len:
+            self.step(0)
+
+    @torch.inference_mode()
+    def step(self, num_logits: int, want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This sequence's forward alone: :meth:`forward` for ``num_logits >= 1``, a
+        :meth:`prefill` for 0 (then empty logits). The one place an unpacked HF forward runs
+        (models without a packed forward, :func:`supports_packing`)."""
+        if self.packed:
+            return self.forward_batch([self], [num_logits], [want_hidden])[0]
+        end = len(self.tokens) - 1 if num_logits == 0 else len(self.tokens)
+        input_ids = torch.tensor([self.tokens[self.cache_len:end]], dtype=torch.long, device=self.device)
+        output = self.model(input_ids=input_ids, cache=self.cache, use_cache=True,
+                            logits_to_keep=max(1, num_logits), output_hidden_states=want_hidden and num_logits > 0)
+        self.cache_len = end
+        if num_logits == 0:
+            return torch.empty(0), None
+        hidden = output.hidden_states[-1][0, -num_logits:].float() if want_hidden else None
+        return output.logits[0, -num_logits:].float(), hidden
+
+    @staticmethod
+    def forward_batch(sequences: Sequence["CachedSequence"], num_logits: Sequence[int], want_hidden: Sequence[bool]
+                      ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """One packed forward over several sequences of one model (see :meth:`forward`);
+        ``num_logits[i] == 0`` prefills sequence i (all tokens but the last, no logits)."""
+        rows = []
+        for sequence, count, hidden in zip(sequences, num_logits, want_hidden):
+            assert 0 <= count <= sequence.num_pending, (count, sequence.num_pending)
+            end = len(sequence.tokens) - 1 if count == 0 else len(sequence.tokens)
+            rows.append(SessionRows(sequence.cache, sequence.cache_len, sequence.tokens[sequence.cache_len:end],
+                                    count, hidden))
+        results = packed_forward(sequences[0].model, rows)
+        for sequence, row in zip(sequences, rows):
+            sequence.cache_len += len(row.tokens)
+        return results
+
+    def truncate(self, length: int) -> None:
+        """Keep ``tokens[:length]`` and drop cache entries beyond it."""
+        assert 0 <= length <= len(self.tokens)
+        del self.tokens[length:]
+        if self.cache_len > length:
+            self.cache.crop(-(self.cache_len - length))
+            self.cache_len = length

@@ -1,0 +1,202 @@
+"""The one forward pass of the engines: several sessions' pending tokens in one pass, each
+session getting bit for bit what it gets alone, and every decoded token computed as in
+one-token-at-a-time decoding.
+
+Two numeric promises, and how they are kept:
+
+1. **Batching changes no bits.** A padded batch changes each session's attention (keys
+   left-padded to the longest cache, queries right-padded to the longest block), so the
+   reductions run over other lengths and round differently: ~1e-5 in float32, a few ulps
+   per layer in bf16 — enough to flip a greedy argmax a few dozen tokens in (issue 17).
+   Here the pending tokens of all sessions form *one* row of ``sum(k_i)`` tokens with
+   each session's own position ids. Everything but attention is row-wise (embeddings,
+   norms, MLPs, projections, the LM head) and a CPU linear in bf16/fp16/int8 gives each
+   row the same bits whatever the number of rows (``tests/test_batching.py`` checks this
+   kernel property); attention runs per session, on the session's own cache
+   (:class:`PackedCache`) with the mask its own forward would build.
+2. **A verified block equals decoding.** A target forward over a block of k draft tokens
+   must give the logits that k one-token forwards give, or speculation changes the output
+   in bf16 ("near-ties"). Row-wise ops already agree; attention over a block (one call, a
+   causal mask) does not, so every forward that asks for logits attends *one query at a
+   time*: query i over the keys up to its own position, unmasked — the call decoding makes.
+   A prefill (the prompt, no logits) keeps the one-call causal attention: both decoding
+   and speculation prefill the same way.
+
+With both, greedy speculative output in bf16 equals target-only output on CPUs whose
+linear kernels are row-invariant (measured: this project's AVX2 machines, bf16 and int8;
+float32 GEMM is not row-invariant there, its ~1e-6 differences stay far below a flip).
+
+The attention function is installed once per model (:func:`install`); without a packed
+forward in flight it is exactly the model's previous implementation (sdpa), so every other
+use of the model is unchanged. Models whose layers are not all full attention, or that do
+not use sdpa, fall back to plain unbatched forwards (:func:`supports_packing`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, create_causal_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from disco.models.weight_only import DENSE_MIN_ROWS, dense_prefill
+
+_NAME = "disco_packed_sdpa"
+_BASE = "sdpa"
+
+
+@dataclass
+class SessionRows:
+    """One session's part of a packed forward.
+
+    Attributes:
+        cache: the session's KV cache (covers ``cache_len`` tokens; extended in place).
+        cache_len: tokens the cache covers before this forward.
+        tokens: the tokens to feed.
+        num_logits: logits wanted for the last ``num_logits`` fed tokens; 0 for a prefill.
+        want_hidden: also return the last hidden states of those positions.
+    """
+
+    cache: DynamicCache
+    cache_len: int
+    tokens: Sequence[int]
+    num_logits: int
+    want_hidden: bool = False
+
+    @property
+    def one_query_at_a_time(self) -> bool:
+        return self.num_logits > 0  # decoding and verification; a prefill attends as one block
+
+
+def supports_packing(model: torch.nn.Module) -> bool:
+    """Whether :func:`packed_forward` can run ``model`` (installs the attention hook once)."""
+    config = model.config
+    if config._attn_implementation == _NAME:
+        return True
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"} or config._attn_implementation != _BASE:
+        return False
+    if _NAME not in ALL_ATTENTION_FUNCTIONS:
+        ALL_ATTENTION_FUNCTIONS.register(_NAME, _packed_attention)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(_NAME, ALL_MASK_ATTENTION_FUNCTIONS[_BASE])
+    model.set_attn_implementation(_NAME)
+    return config._attn_implementation == _NAME
+
+
+@torch.inference_mode()
+def packed_forward(model: torch.nn.Module, sessions: Sequence[SessionRows]
+                   ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Feed every session's tokens in one forward; extend each session's cache.
+
+    Returns, per session, its logits ``[num_logits, vocab]`` (float32; empty for a
+    prefill) and, if asked, the matching last hidden states ``[num_logits, hidden]``.
+    The model must pass :func:`supports_packing`.
+    """
+    input_ids, position_ids, packed_cache = _packed_inputs(model, sessions)
+    # A ready-made 4D mask is passed through untouched by transformers' mask builders, so
+    # no mask is built for the packed row; the attention applies each session's own mask.
+    unused_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=input_ids.device)
+    # Long prefill blocks are multiplied on their own: the weight-only engines' dense GEMM,
+    # the row-stable linears' one plain call (no effect on other engines).
+    dense = [(span.start, span.end) for span in packed_cache.spans
+             if not span.one_query_at_a_time and span.end - span.start >= DENSE_MIN_ROWS]
+    # 1. One forward of the decoder over the packed row; attention per session.
+    with dense_prefill(dense):
+        hidden = model.get_decoder()(input_ids=input_ids, attention_mask=unused_mask, position_ids=position_ids,
+                                     cache=packed_cache, use_cache=True,
+                                     packed_cache=packed_cache).last_hidden_state[0]  # [rows, hidden]
+    # 2. One LM-head matmul for every row asked for: the head is the largest weight matrix,
+    # reading it once per session would cost as much as a forward of a small model.
+    wanted = [hidden[span.end - rows.num_logits: span.end]  # [num_logits, hidden]
+              for rows, span in zip(sessions, packed_cache.spans)]
+    results: list[tuple[torch.Tensor, torch.Tensor | None]] = [(torch.empty(0), None)] * len(sessions)
+    if any(rows.num_logits for rows in sessions):
+        all_logits = model.get_output_embeddings()(torch.cat(wanted)).float()  # [sum of num_logits, vocab]
+        for index, (rows, states, logits) in enumerate(
+                zip(sessions, wanted, all_logits.split([len(w) for w in wanted]))):
+            if rows.num_logits:
+                results[index] = (logits, states.float() if rows.want_hidden else None)
+    return results
+
+
+@dataclass
+class _Span:
+    cache: DynamicCache
+    start: int  # first row of the session in the packed input
+    end: int
+    mask: torch.Tensor | None  # what the session's own block attention gets (prefill)
+    one_query_at_a_time: bool
+
+
+class PackedCache:
+    """Stands in for the model's cache during a packed forward: ``update`` appends each
+    session's slice of the new keys/values to the session's own cache; the attention
+    function reads the per-session states back."""
+
+    def __init__(self, spans: list[_Span]) -> None:
+        self.spans = spans
+        self._states: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor,  # [1, kv_heads, rows, head_dim]
+               layer_idx: int, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        self._states[layer_idx] = [
+            span.cache.update(key_states[:, :, span.start: span.end], value_states[:, :, span.start: span.end],
+                              layer_idx) if span.end > span.start else (key_states[:, :, :0], value_states[:, :, :0])
+            for span in self.spans]
+        return key_states, value_states  # unused: the attention reads the per-session states
+
+    def session_states(self, layer_idx: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self._states[layer_idx]
+
+
+def _packed_inputs(model: torch.nn.Module, sessions: Sequence[SessionRows]
+                   ) -> tuple[torch.Tensor, torch.Tensor, PackedCache]:
+    device = next(model.parameters()).device
+    dtype = model.get_input_embeddings().weight.dtype
+    hidden_size = int(model.config.hidden_size)
+    spans, input_ids, position_ids, row = [], [], [], 0
+    for rows in sessions:
+        count = len(rows.tokens)
+        positions = torch.arange(rows.cache_len, rows.cache_len + count, device=device).unsqueeze(0)  # [1, k]
+        mask = None
+        if count and not rows.one_query_at_a_time:
+            shape_only = torch.empty(1, count, hidden_size, dtype=dtype, device=device)  # the mask reads its shape
+            mask = create_causal_mask(config=model.config, inputs_embeds=shape_only, attention_mask=None,
+                                      cache=rows.cache, position_ids=positions)
+        spans.append(_Span(rows.cache, row, row + count, mask, rows.one_query_at_a_time))
+        input_ids.extend(rows.tokens)
+        position_ids.append(positions)
+        row += count
+    ids = torch.tensor([input_ids], dtype=torch.long, device=device)
+    return ids, torch.cat(position_ids, dim=1), PackedCache(spans)
+
+
+def _packed_attention(module: torch.nn.Module, query: torch.Tensor,  # query: [1, heads, rows, head_dim]
+                      key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+                      **kwargs) -> tuple[torch.Tensor, None]:
+    """sdpa, per session and (for a block that asks for logits) per query."""
+    sdpa = ALL_ATTENTION_FUNCTIONS[_BASE]
+    packed: PackedCache | None = kwargs.pop("packed_cache", None)
+    if packed is None:
+        return sdpa(module, query, key, value, attention_mask, **kwargs)
+    outputs = []
+    for span, (session_keys, session_values) in zip(packed.spans, packed.session_states(module.layer_idx)):
+        if span.one_query_at_a_time:  # query i sees the keys up to its own position, as in decoding
+            # NOTE: in float32 — a one-query attention in bf16 is ~6x slower on CPUs without
+            # bf16 arithmetic (AVX2: 0.9 vs 0.15 ms per layer for 200 keys), and more exact.
+            queries = query[:, :, span.start: span.end].float()
+            session_keys, session_values = session_keys.float(), session_values.float()
+            first_key_end = session_keys.shape[2] - (span.end - span.start) + 1
+            for offset in range(span.end - span.start):
+                keys_end = first_key_end + offset
+                output, _ = sdpa(module, queries[:, :, offset: offset + 1], session_keys[:, :, :keys_end],
+                                 session_values[:, :, :keys_end], None, **kwargs)
+                outputs.append(output.to(query.dtype))  # [1, 1, heads, head_dim]
+        elif span.end > span.start:
+            output, _ = sdpa(module, query[:, :, span.start: span.end], session_keys, session_values, span.mask,
+                             **kwargs)
+            outputs.append(output)  # [1, k, heads, head_dim]
+    return torch.cat(outputs, dim=1), None

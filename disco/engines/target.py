@@ -1,0 +1,111 @@
+"""Target engine: per-session target KV caches, prefill and block verification."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from disco.config import SamplingParams
+from disco.errors import InvalidRequest
+from disco.interfaces import PrefillResult, VerifyResult
+from disco.engines.batching import ForwardBatcher
+from disco.engines.kv import CachedSequence
+from disco.speculation.sampling import greedy_accept, logits_to_probs, make_generator, rejection_sample
+from disco.engines.sessions import SessionLimits, SessionStore
+
+
+@dataclass
+class TargetSession:
+    sequence: CachedSequence
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class TargetEngine:
+    """Implements :class:`disco.interfaces.Verifier` over a local HF causal LM."""
+
+    def __init__(self, model: torch.nn.Module, limits: SessionLimits = SessionLimits(), max_batch: int = 16) -> None:
+        self.model = model
+        self.vocab_size = int(model.config.vocab_size)
+        self.max_context = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+        self.sessions: SessionStore[TargetSession] = SessionStore(limits)
+        # Concurrent sessions' forwards run as one padded batch (see disco.engines.batching).
+        self.batcher = ForwardBatcher(model, max_batch)
+
+    def start_session(
+        self, session_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
+    ) -> PrefillResult:
+        started = time.perf_counter_ns()
+        if not prompt_ids:
+            raise InvalidRequest("prompt is empty")
+        sampling.validate()
+        if len(prompt_ids) + sampling.max_new_tokens > self.max_context:
+            raise InvalidRequest(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
+                f"exceeds the target model's context of {self.max_context} tokens")
+        if any(not 0 <= token < self.vocab_size for token in prompt_ids):
+            raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})")
+        self.sessions.check_capacity()  # before paying for a prefill
+        session = TargetSession(
+            sequence=CachedSequence(self.model, prompt_ids),
+            sampling=sampling,
+            generator=make_generator(sampling.seed),
+        )
+        self.batcher.prefill(session.sequence)  # batched with concurrent prefills
+        self.sessions.add(session_id, session)
+        return PrefillResult(prompt_tokens=len(prompt_ids), elapsed_ns=time.perf_counter_ns() - started)
+
+    def end_session(self, session_id: str) -> None:
+        self.sessions.remove(session_id)
+
+    def verify(
+        self,
+        session_id: str,
+        draft_token_ids: Sequence[int],
+        draft_probs: torch.Tensor | None,  # [k, vocab] when sampling, else None
+    ) -> VerifyResult:
+        started = time.perf_counter_ns()
+        session = self.sessions.get(session_id)
+        draft_token_ids = list(draft_token_ids)
+        num_draft = len(draft_token_ids)
+        if any(not 0 <= token < self.vocab_size for token in draft_token_ids):
+            raise InvalidRequest(f"draft token ids must be in [0, {self.vocab_size})")
+        if not session.sampling.is_greedy and num_draft and (
+                draft_probs is None or draft_probs.shape[0] != num_draft):
+            raise InvalidRequest("sampling verification needs one draft distribution per draft token")
+        if not session.lock.acquire(blocking=False):
+            raise InvalidRequest(f"session {session_id!r} is already verifying")
+        try:
+            sequence = session.sequence
+            if len(sequence) + num_draft + 1 > self.max_context:
+                raise InvalidRequest("block would exceed the target model's context")
+            base = len(sequence)
+            sequence.tokens.extend(draft_token_ids)
+            forward_started = time.perf_counter_ns()
+            try:
+                target_logits, _ = self.batcher.forward(sequence, num_draft + 1)  # [k + 1, vocab]
+            except BaseException:
+                sequence.truncate(base)  # a failed forward leaves the session as it was
+                raise
+            forward_ns = time.perf_counter_ns() - forward_started
+            if session.sampling.is_greedy:
+                num_accepted, bonus = greedy_accept(draft_token_ids, target_logits)
+            else:
+                target_probs = logits_to_probs(target_logits, session.sampling)  # [k + 1, vocab]
+                empty = torch.empty(0, target_probs.shape[-1])
+                num_accepted, bonus = rejection_sample(
+                    draft_token_ids, draft_probs if num_draft else empty, target_probs, session.generator)
+            sequence.truncate(base + num_accepted)
+            sequence.tokens.append(bonus)
+        finally:
+            session.lock.release()
+        return VerifyResult(num_accepted=num_accepted, next_token_id=bonus, forward_ns=forward_ns,
+                            elapsed_ns=time.perf_counter_ns() - started)
+
+    def active_sessions(self) -> int:
+        return len(self.sessions)

@@ -1,0 +1,196 @@
+"""Row-stable linears: a row gets the same bits whatever the other rows of the call.
+
+Exact speculative decoding in low precision needs it: target-only decoding multiplies one
+row at a time, a verification multiplies k + 1 rows at once, and a batched step multiplies
+the rows of several sessions. Where the kernel computes a row differently depending on how
+many rows the call has, near-ties flip tokens.
+
+What the CPU kernels do (torch 2.13.0+cpu, measured with :func:`probe_plan`'s inputs):
+
+- Xeon with AMX (Sapphire Rapids), bf16/fp16: a one-row call takes another path than a
+  multi-row call, and a call of more than 32 rows differs again.
+- AMD EPYC Zen 4 (AVX-512-BF16, no AMX), bf16: a one-row call differs from a two-row call
+  for every shape of the 1.5B target, and narrow linears switch paths at a few rows more
+  (out 32 x in 64: calls of 1-2 rows differ from 3 or more; out 16: 1-4 rows from 5 or more).
+- AVX2-only AMD EPYC: row-invariant in bf16 and int8 for the shapes measured.
+
+So every call of a low-precision linear follows one :class:`RowPlan`: calls of fewer than
+``min_rows`` rows get zero rows added, calls of more than ``max_rows`` rows are cut into
+chunks. :func:`stabilize` probes the model's own linear shapes at load, for *every* row
+count a call can then have (1 .. ``max_rows``), and picks the first plan of
+:data:`PLANS` under which each row's bits equal its bits alone.
+
+The probe's inputs are built to show any difference in summation order (issue 32): random
+bf16 values seldom do — a different order changes the float32 accumulator by an ulp, which
+rounding to bf16 almost always hides, so a probe on ``randn`` passed a 64x64 linear whose
+calls of 80 rows differed, and 16 concurrent sessions then got other tokens. Here each
+product in a dot product has a partner of opposite sign (the exact sum is 0) and magnitudes
+spread over 2^16, so a row's result is nothing but its rounding: any other order shows.
+
+A long prefill block (:mod:`disco.models.weight_only`'s spans, at least ``DENSE_MIN_ROWS``
+tokens) is multiplied as one plain call of its own rows, not in chunks: its bits then
+depend on that block only, so a prompt gets the same cache alone and batched, in
+target-only and in speculative decoding (both prefill it the same way), while the weights
+are read once instead of once per 32 rows (a 200-token prefill of the 1.5B target: 2.2x
+faster on the AMX machine, docs/engines.md). A re-prefill after a lost session feeds the
+generated tokens in such a block too, not as they were decoded: in bf16 a near-tie may
+then flip after a failover (as with the int8 engine's float32 prefill GEMM).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from disco.models.weight_only import WeightOnlyLinear, split_rows
+
+logger = logging.getLogger(__name__)
+
+RowCall = Callable[[torch.Tensor], torch.Tensor]  # rows [n, in_features] -> [n, out_features]
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """How the calls of one linear are cut: every call has ``min_rows`` .. ``max_rows`` rows."""
+
+    min_rows: int = 1
+    max_rows: int = 32
+
+    def run(self, rows: torch.Tensor, call: RowCall) -> torch.Tensor:  # rows: [n, in] -> [n, out]
+        """``call(rows)``, in calls of ``min_rows`` .. ``max_rows`` rows (zero rows added)."""
+        count = rows.shape[0]
+        if count == 0:
+            return call(rows)
+        if count > self.max_rows:
+            return torch.cat([self.run(rows[start:start + self.max_rows], call)
+                              for start in range(0, count, self.max_rows)])
+        if count < self.min_rows:
+            padding = rows.new_zeros(self.min_rows - count, rows.shape[1])
+            return call(torch.cat([rows, padding]))[:count]
+        return call(rows)
+
+    def describe(self) -> str:
+        return f"calls of {self.min_rows}-{self.max_rows} rows"
+
+
+#: The plans the probe tries, in order: the largest calls first, then the fewest rows added.
+PLANS = tuple(RowPlan(min_rows, max_rows) for max_rows in (32, 16, 8) for min_rows in (1, 2, 4, 8))
+#: Distinct output channels of a probe's weight (tiled to the layer's width).
+PROBE_CHANNELS = 256
+
+
+class RowStableLinear(nn.Linear):
+    """An ``nn.Linear`` whose calls follow :attr:`row_plan` (module doc).
+
+    Made by swapping the class of a loaded ``nn.Linear`` (:func:`stabilize`): same
+    parameters, no copy."""
+
+    row_plan: RowPlan = RowPlan()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features] -> [..., out_features]
+        rows = x.reshape(-1, self.in_features)
+        out = split_rows(rows, lambda decoded: self.row_plan.run(decoded, self._plain),
+                         self._plain)  # a prefill block: one plain call of its own rows
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _plain(self, rows: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(rows, self.weight, self.bias)
+
+
+def cancelling_inputs(rows: int, out_features: int, in_features: int, dtype: torch.dtype,
+                      seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inputs ``[rows, in]``, weight ``[out, in]`` and bias ``[out]`` (float32 values exact in
+    ``dtype``) under which each output is pure float32 rounding: every product ``x_i * w_i``
+    has a partner ``x_j * w_j = -x_i * w_i``, magnitudes spread over 2^-8 .. 2^9, so a
+    different summation order changes the result by far more than one bf16 step."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def spread(*shape: int) -> torch.Tensor:
+        sign = torch.randint(0, 2, shape, generator=generator) * 2 - 1
+        exponent = torch.randint(-8, 9, shape, generator=generator).float()
+        return (sign * torch.pow(2.0, exponent) * (1 + torch.rand(shape, generator=generator))).to(dtype).float()
+
+    order = torch.randperm(in_features, generator=generator)
+    first, second = order[0::2][: in_features // 2], order[1::2]
+    inputs, channels = spread(rows, in_features), spread(min(out_features, PROBE_CHANNELS), in_features)
+    inputs[:, second] = inputs[:, first]
+    channels[:, second] = -channels[:, first]
+    weight = channels.repeat(-(-out_features // channels.shape[0]), 1)[:out_features]
+    bias = spread(out_features) * 2.0 ** -12  # about the size of the rounding it is added to
+    return inputs, weight, bias
+
+
+def plan_holds(call: RowCall, inputs: torch.Tensor, plan: RowPlan) -> bool:
+    """Whether ``plan.run`` gives every row of every call of 2 .. ``max_rows`` rows the
+    bits the row gets alone (``inputs`` has at least ``max_rows`` rows)."""
+    alone = torch.cat([plan.run(inputs[i: i + 1], call) for i in range(plan.max_rows)])
+    return all(torch.equal(plan.run(inputs[:count], call), alone[:count])
+               for count in range(2, plan.max_rows + 1))
+
+
+def probe_plan(call: RowCall, inputs: torch.Tensor) -> RowPlan | None:
+    """The first plan of :data:`PLANS` that holds for ``call`` (``None``: none does)."""
+    with torch.inference_mode():
+        return next((plan for plan in PLANS if plan_holds(call, inputs, plan)), None)
+
+
+def _probe_call(module: nn.Module) -> tuple[RowCall, torch.Tensor]:
+    """A call of the module's kind and shape on :func:`cancelling_inputs`, and the inputs."""
+    if isinstance(module, WeightOnlyLinear):
+        dtype = module.compute_dtype
+        inputs, weight, bias = cancelling_inputs(PLANS[0].max_rows, module.out_features, module.in_features,
+                                                 dtype)
+        probe = type(module).from_weight(weight, bias if module.bias is not None else None, dtype)
+        probe.to(module.bias.device if module.bias is not None else next(module.buffers()).device)
+        return probe._quantized, inputs.to(dtype)
+    dtype, device = module.weight.dtype, module.weight.device
+    inputs, weight, bias = cancelling_inputs(PLANS[0].max_rows, module.out_features, module.in_features, dtype)
+    weight, bias = weight.to(dtype=dtype, device=device), bias.to(dtype=dtype, device=device)
+    has_bias = module.bias is not None
+    return (lambda rows: nn.functional.linear(rows, weight, bias if has_bias else None)), inputs.to(dtype)
+
+
+def _stabilizable(module: nn.Module) -> bool:
+    if isinstance(module, WeightOnlyLinear):
+        return next(module.buffers()).device.type == "cpu"
+    return (type(module) is nn.Linear and module.weight.dtype in (torch.bfloat16, torch.float16)
+            and module.weight.device.type == "cpu")
+
+
+def _shape_key(module: nn.Module) -> tuple:
+    dtype = module.compute_dtype if isinstance(module, WeightOnlyLinear) else module.weight.dtype
+    return type(module).__name__, module.out_features, module.in_features, dtype, module.bias is not None
+
+
+def stabilize(model: nn.Module) -> str:
+    """Give the model's low-precision CPU linears (bf16/fp16 ``nn.Linear``, int8/int4
+    weight-only) a :class:`RowPlan` proven on this machine (module doc); returns what was
+    done, for the load log. Float32 layers are left alone (near-ties there are ~1e-5 apart
+    and the exactness tests hold)."""
+    linears = [module for module in model.modules() if _stabilizable(module)]
+    plans: dict[tuple, RowPlan | None] = {}
+    for module in linears:
+        key = _shape_key(module)
+        if key not in plans:
+            plans[key] = probe_plan(*_probe_call(module))
+            logger.debug("row plan of %s: %s", key, plans[key])
+    if not plans:
+        return "no low-precision CPU linears"
+    unstable = [key for key, plan in plans.items() if plan is None]
+    if unstable:
+        logger.warning("this machine's linear kernels give a row other bits depending on the rows of the call, "
+                       "and no call size fixes it (%s): speculative output may differ from target-only at "
+                       "near-ties", ", ".join(f"{kind} {out}x{inp}" for kind, out, inp, *_ in unstable))
+        return "linear kernels not row-invariant (near-ties may flip)"
+    for module in linears:
+        plan = plans[_shape_key(module)]
+        if isinstance(module, WeightOnlyLinear):
+            module.row_plan = plan
+        else:
+            module.__class__ = RowStableLinear
+            module.row_plan = plan
+    return "row-stable linears (" + ", ".join(sorted({plan.describe() for plan in plans.values() if plan})) + ")"

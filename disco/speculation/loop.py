@@ -1,0 +1,286 @@
+"""The speculation loop: one implementation for every transport.
+
+It sees only a :class:`~disco.interfaces.Drafter` and a
+:class:`~disco.interfaces.Verifier`; the in-process engines and the gRPC clients plug
+in behind them. Per iteration it reads as three stages — draft, verify, accept — like
+vLLM's propose/score/verify and HF's assisted-generation loop. The loop's token list is
+the source of truth for the request.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import logging
+import secrets
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Iterator, Sequence, Union
+
+import torch
+
+from disco.config import SamplingParams, SpeculationConfig
+from disco.speculation.cost_model import CostModel
+from disco.speculation.detokenize import Decode, IncrementalDetokenizer
+from disco.errors import InvalidRequest, SessionNotFound, Unavailable
+from disco.interfaces import DraftSummary, Drafter, Feedback, Verifier
+from disco.speculation.policies import parse_policy_spec
+from disco.speculation.policies.auto import speculation_pays, with_costs
+from disco.stats import RequestStats
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    """Tokens accepted in one iteration (after EOS/stop/length truncation) and their text."""
+
+    token_ids: list[int]
+    text: str
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    token_ids: list[int]  # generated ids only (EOS included if generated)
+    text: str
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    stats: RequestStats
+
+
+GenerationEvent = Union[TokenChunk, GenerationResult]
+
+logger = logging.getLogger(__name__)
+
+
+def derive_seeds(sampling: SamplingParams) -> tuple[SamplingParams, SamplingParams]:
+    """Per-side sampling params: the drafter and the verifier each get their own seeded
+    generator (seed and seed + 1), so a seeded request is reproducible on any transport."""
+    if sampling.is_greedy:
+        return sampling, sampling
+    seed = sampling.seed if sampling.seed is not None else secrets.randbelow(2**62)
+    return (dataclasses.replace(sampling, seed=seed),
+            dataclasses.replace(sampling, seed=(seed + 1) % 2**63))
+
+
+class SpeculativeGenerator:
+    """Runs requests through a drafter/verifier pair."""
+
+    def __init__(
+        self,
+        drafter: Drafter | None,
+        verifier: Verifier,
+        decode: Decode,
+        eos_token_ids: Sequence[int],
+        max_new_tokens_limit: int | None = None,
+        costs: CostModel | None = None,
+        parallel_prefill: bool = False,
+    ) -> None:
+        """``costs``: the measured engine costs of this deployment; ``auto`` and ``disco:``
+        policies read them (:func:`disco.speculation.policies.auto.with_costs`; without them both are
+        DISCO at the artifact's tuned threshold). ``parallel_prefill``: start the draft and
+        the target session at once (the orchestrator's services run on their own devices;
+        in one process they would share the cores, so the in-process pipeline leaves it off)."""
+        self.drafter = drafter
+        self.verifier = verifier
+        self.decode = decode
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_new_tokens_limit = max_new_tokens_limit
+        self.costs = costs
+        self.parallel_prefill = parallel_prefill
+
+    def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
+                 speculation: SpeculationConfig) -> GenerationResult:
+        result = None
+        for event in self.stream(prompt_ids, sampling, speculation):
+            if isinstance(event, GenerationResult):
+                result = event
+        assert result is not None
+        return result
+
+    def validate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
+                 speculation: SpeculationConfig) -> None:
+        """Raise :class:`InvalidRequest` before any work is done."""
+        if not prompt_ids:
+            raise InvalidRequest("prompt is empty")
+        sampling.validate(self.max_new_tokens_limit)
+        speculation.validate()
+        spec = parse_policy_spec(speculation.policy)
+        if spec.uses_draft and spec.text != "auto" and self.drafter is None:
+            raise InvalidRequest(f"policy {spec.text!r} needs a draft model, but none is configured")
+        if spec.name == "oracle" and not sampling.is_greedy:
+            raise InvalidRequest("the oracle policy is defined for greedy decoding only (temperature 0)")
+
+    def stream(self, prompt_ids: Sequence[int], sampling: SamplingParams,
+               speculation: SpeculationConfig) -> Iterator[GenerationEvent]:
+        """Yields a :class:`TokenChunk` per iteration, then one :class:`GenerationResult`."""
+        self.validate(prompt_ids, sampling, speculation)
+        spec = parse_policy_spec(speculation.policy)
+        if spec.name == "auto" and not spec.argument:
+            speculation = dataclasses.replace(speculation, policy=self.resolve_auto(speculation.max_lookahead))
+        else:
+            speculation = dataclasses.replace(speculation, policy=with_costs(speculation.policy, self.costs))
+        spec = parse_policy_spec(speculation.policy)
+        reference_ids = None
+        if spec.name == "oracle":  # analysis only: the target's own output first
+            reference_ids = self.generate(
+                prompt_ids, sampling, dataclasses.replace(speculation, policy="none")).token_ids
+        return self._run(list(prompt_ids), sampling, speculation, spec.uses_draft, reference_ids)
+
+    def resolve_auto(self, max_lookahead: int) -> str:
+        """``auto`` for one request: ``none`` where the measured costs say no lookahead can
+        pay, else ``auto`` carrying the costs to the draft side (see :mod:`disco.speculation.policies.auto`)."""
+        if self.costs is None:
+            return "auto"
+        if self.drafter is None or not speculation_pays(self.costs, max_lookahead):
+            return "none"
+        return with_costs("auto", self.costs)
+
+    def _run(self, prompt_ids: list[int], sampling: SamplingParams, speculation: SpeculationConfig,
+             uses_draft: bool, reference_ids: list[int] | None) -> Iterator[GenerationEvent]:
+        started = time.perf_counter()
+        stats = RequestStats(prompt_tokens=len(prompt_ids))
+        detokenizer = IncrementalDetokenizer(
+            self.decode, sampling.stop, () if sampling.ignore_eos else self.eos_token_ids)
+        draft_sampling, target_sampling = derive_seeds(sampling)
+        session_id = uuid.uuid4().hex
+        generated: list[int] = []
+        finish_reason = ""
+        sessions_started: list = []
+        try:
+            # 1. Prefill: one session in each service.
+            if uses_draft and self.parallel_prefill:
+                uses_draft = self._prefill_at_once(session_id, prompt_ids, target_sampling, draft_sampling,
+                                                   speculation, reference_ids, stats, sessions_started)
+            else:
+                self.verifier.start_session(session_id, prompt_ids, target_sampling)
+                sessions_started.append(self.verifier)
+                if uses_draft:
+                    assert self.drafter is not None
+                    sessions_started.append(self.drafter)
+                    uses_draft = self._start_draft(session_id, prompt_ids, draft_sampling, speculation,
+                                                   reference_ids, stats)
+            stats.prefill_s = time.perf_counter() - started
+            feedback: Feedback | None = None
+            while not finish_reason:
+                # 2. Draft: never more than can still be used (remaining tokens - bonus).
+                lookahead_cap = min(speculation.max_lookahead, sampling.max_new_tokens - len(generated) - 1)
+                draft_ids: list[int] = []
+                draft_probs: list[torch.Tensor] = []
+                if uses_draft and lookahead_cap > 0:
+                    draft_started = time.perf_counter()
+                    try:
+                        self._draft_block(session_id, feedback, lookahead_cap, draft_ids, draft_probs, stats)
+                    except SessionNotFound:
+                        # 2.1 The draft service lost the session (restart, expiry): re-prefill it
+                        # from the loop's token list, the source of truth, and draft again.
+                        logger.warning("draft session %s lost; re-prefilling %d tokens", session_id,
+                                       len(prompt_ids) + len(generated))
+                        draft_ids.clear(), draft_probs.clear()
+                        uses_draft = self._start_draft(session_id, prompt_ids + generated,
+                                                       draft_sampling.resumed_after(len(generated)),
+                                                       speculation, None, stats)
+                        if uses_draft:
+                            self._draft_block(session_id, None, lookahead_cap, draft_ids, draft_probs, stats)
+                    except Unavailable as error:
+                        uses_draft = self._draft_failed(session_id, error, stats)
+                        draft_ids.clear(), draft_probs.clear()
+                    feedback = None
+                    stats.draft_s += time.perf_counter() - draft_started
+                # 3. Verify the whole block in one target forward.
+                verify_started = time.perf_counter()
+                block_probs = torch.stack(draft_probs) if draft_probs else None
+                try:
+                    verdict = self.verifier.verify(session_id, draft_ids, block_probs)
+                except SessionNotFound:
+                    # 3.1 The target lost the session: re-prefill the committed tokens, verify again.
+                    logger.warning("target session %s lost; re-prefilling %d tokens", session_id,
+                                   len(prompt_ids) + len(generated))
+                    stats.target_reprefills += 1
+                    self.verifier.start_session(session_id, prompt_ids + generated,
+                                                target_sampling.resumed_after(len(generated)))
+                    verdict = self.verifier.verify(session_id, draft_ids, block_probs)
+                stats.verify_s += time.perf_counter() - verify_started
+                stats.backend_verify_s += verdict.elapsed_ns / 1e9
+                stats.record_iteration(len(draft_ids), verdict.num_accepted)
+                feedback = Feedback(verdict.num_accepted, verdict.next_token_id)
+                # 4. Accept: the accepted prefix plus the bonus token, then EOS/stop/length.
+                new_ids = draft_ids[:verdict.num_accepted] + [verdict.next_token_id]
+                chunk_ids, chunk_text = [], ""
+                for token_id in new_ids:
+                    generated.append(token_id)
+                    chunk_ids.append(token_id)
+                    delta = detokenizer.push(token_id)
+                    chunk_text += delta.text
+                    if delta.stopped:
+                        finish_reason = "stop"
+                        break
+                    if len(generated) >= sampling.max_new_tokens:
+                        finish_reason = "length"
+                        chunk_text += detokenizer.finish().text
+                        break
+                yield TokenChunk(token_ids=chunk_ids, text=chunk_text)
+        finally:
+            for service in sessions_started:
+                try:
+                    service.end_session(session_id)
+                except Exception:  # noqa: BLE001 - freeing is best effort; the result stands
+                    pass
+        stats.generated_tokens = len(generated)
+        stats.finish_reason = finish_reason
+        stats.wall_s = time.perf_counter() - started
+        yield GenerationResult(token_ids=generated, text=detokenizer.text, finish_reason=finish_reason,
+                               stats=stats)
+
+    # -- draft side helpers: a failing draft service never fails the request ------------
+
+    def _prefill_at_once(self, session_id: str, prompt_ids: list[int], target_sampling: SamplingParams,
+                         draft_sampling: SamplingParams, speculation: SpeculationConfig,
+                         reference_ids: list[int] | None, stats: RequestStats, sessions_started: list) -> bool:
+        """Both prefills at once: the draft session starts in a worker thread while this
+        one starts the target's. Returns whether the draft session runs (as
+        :meth:`_start_draft`). Either service's error propagates once both calls are over,
+        with every started session in ``sessions_started`` for the caller to end."""
+        assert self.drafter is not None
+        sessions_started.append(self.drafter)  # ended by the caller whatever happens (ending is idempotent)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-prefill") as pool:
+            draft = pool.submit(contextvars.copy_context().run, self.drafter.start_session, session_id, prompt_ids,
+                                draft_sampling, speculation.policy, reference_ids, overlap=speculation.overlap)
+            self.verifier.start_session(session_id, prompt_ids, target_sampling)  # on error: waits for the draft
+            sessions_started.append(self.verifier)
+        try:  # the outcome is handled here, in the request's thread (its stats, its log context)
+            draft.result()
+            return True
+        except Unavailable as error:
+            return self._draft_failed(session_id, error, stats)
+
+    def _start_draft(self, session_id: str, token_ids: list[int], sampling: SamplingParams,
+                     speculation: SpeculationConfig, reference_ids: list[int] | None, stats: RequestStats) -> bool:
+        """Start (or re-start) the draft session; False means: go on target-only."""
+        try:
+            self.drafter.start_session(session_id, token_ids, sampling, speculation.policy, reference_ids,
+                                       overlap=speculation.overlap)
+            return True
+        except Unavailable as error:
+            return self._draft_failed(session_id, error, stats)
+
+    def _draft_block(self, session_id: str, feedback: Feedback | None, lookahead_cap: int,
+                     draft_ids: list[int], draft_probs: list[torch.Tensor], stats: RequestStats) -> None:
+        for event in self.drafter.draft(session_id, feedback, lookahead_cap):
+            if isinstance(event, DraftSummary):
+                stats.draft_forwards += event.forwards
+                stats.backend_draft_s += event.elapsed_ns / 1e9
+                stats.overlap_hits += event.overlap_hit
+                stats.overlap_misses += event.overlap_miss
+                stats.predrafted_used += event.predrafted_used
+                stats.predrafted_wasted += event.predrafted_wasted
+            else:
+                draft_ids.append(event.token_id)
+                if event.draft_probs is not None:
+                    draft_probs.append(event.draft_probs)
+
+    @staticmethod
+    def _draft_failed(session_id: str, error: Exception, stats: RequestStats) -> bool:
+        """NOTE: the output stays exact without the draft — the target decides every token."""
+        logger.warning("draft service unavailable for session %s (%s); continuing target-only", session_id, error)
+        stats.draft_fallbacks += 1
+        return False

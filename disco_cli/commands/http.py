@@ -1,0 +1,90 @@
+"""``disco http --server HOST:PORT``: the OpenAI-compatible HTTP API (docs/http.md) in
+front of a running orchestrator; ``disco serve --http-port`` starts the same gateway
+next to the orchestrator it starts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import threading
+
+from disco_cli.commands.common import add_client_security_args
+from orchestrator.http import DEFAULT_HTTP_PORT
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "http", help="serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) in front of a "
+                     "running orchestrator",
+        description="Each HTTP request becomes one gRPC Generate call on the orchestrator (docs/http.md). "
+                    "With a token (--auth-token or $DISCO_AUTH_TOKEN), /v1/ requests must carry "
+                    "`Authorization: Bearer TOKEN`, and the token is sent on to the orchestrator.")
+    parser.add_argument("--server", required=True, metavar="HOST:PORT", help="address of a running orchestrator")
+    add_http_listen_args(parser)
+    parser.add_argument("--json", action="store_true",
+                        help='announce the bound address as one JSON line {"service": "http", "address", "url", '
+                             '"server"}')
+    add_client_security_args(parser)
+    parser.set_defaults(func=run)
+
+
+def add_http_listen_args(parser: argparse.ArgumentParser) -> None:
+    """``--host/--port`` of the gateway and its own options."""
+    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=DEFAULT_HTTP_PORT,
+                        help=f"port to bind, 0 for any free one (default {DEFAULT_HTTP_PORT})")
+    parser.add_argument("--https-cert", default=None, metavar="PEM",
+                        help="serve HTTPS with this certificate chain (with --https-key; default plain HTTP)")
+    parser.add_argument("--https-key", default=None, metavar="PEM", help="private key of --https-cert")
+    parser.add_argument("--served-model-name", default=None, metavar="NAME",
+                        help="model name of /v1/models and of responses (default: the target model's name)")
+    parser.add_argument("--timeout", type=float, default=None, metavar="S",
+                        help="deadline of each gRPC call in seconds (default 300)")
+    parser.add_argument("--access-log", action="store_true", help="log one line per HTTP request")
+
+
+def run(args: argparse.Namespace) -> int:
+    from orchestrator.http.config import HttpConfig  # noqa: PLC0415 - the web stack only when used
+    from orchestrator.http.server import start_in_thread  # noqa: PLC0415
+    from protos.runtime.tls import auth_token_from_env  # noqa: PLC0415
+
+    options = {"timeout_s": args.timeout} if args.timeout is not None else {}
+    config = HttpConfig(args.server, host=args.host, port=args.port, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+                        tls_key=args.tls_key, tls_server_name=args.tls_server_name,
+                        auth_token=auth_token_from_env(args.auth_token), https_cert=args.https_cert,
+                        https_key=args.https_key, model_name=args.served_model_name, access_log=args.access_log,
+                        **options)
+    running = start_in_thread(config)
+    warn_if_exposed(args.host, config.https, config.auth_token)
+    if args.json:
+        print(json.dumps({"service": "http", "address": running.address, "url": running.url,
+                          "server": args.server}), flush=True)
+    else:
+        print(f"OpenAI-compatible API on {running.url} (orchestrator {args.server}); Ctrl-C stops it", flush=True)
+    wait_for_signal(running)
+    return 0
+
+
+def wait_for_signal(running) -> None:
+    """Block until SIGTERM or SIGINT (or the gateway stopping by itself), then stop it."""
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while not stop.wait(0.5) and running.alive():
+            pass
+    finally:
+        running.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def warn_if_exposed(host: str, https: bool, token: str | None) -> None:
+    """Binding beyond loopback without HTTPS (or with a token in clear) deserves a warning."""
+    if host in ("127.0.0.1", "localhost", "::1", "[::1]") or https:
+        return
+    logger = logging.getLogger(__name__)
+    logger.warning("HTTP API on %s without HTTPS: anyone who can reach it can use it (see docs/http.md)", host)
+    if token:
+        logger.warning("the bearer token travels in clear text without HTTPS")

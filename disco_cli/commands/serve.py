@@ -1,0 +1,290 @@
+"""``disco target-server``, ``disco draft-server``, ``disco orchestrator`` (one service per
+process, as Kubernetes and Ray run them) and ``disco serve`` (all three locally).
+
+Every server prints one line when it listens (``--json``: ``{"service", "address",
+"model", "pid", "metrics"}``, ``metrics`` being the ``/metrics`` address or null), logs
+to stderr (``--log-format json``: one JSON object per line), and drains gracefully on
+SIGTERM/SIGINT. Security and operations flags are described in docs/operations.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Sequence
+
+from disco.config import ModelConfig
+from disco.errors import DiscoError
+from disco.engines.sessions import SessionLimits
+from disco_cli.commands.common import (
+    add_deployment_security_args,
+    add_dtype_arg,
+    add_model_args,
+    add_operations_args,
+    add_server_security_args,
+    dtype_from_args,
+    pair_config_from_args,
+)
+from orchestrator.http import DEFAULT_HTTP_PORT
+
+PORTS = {"orchestrator": 50051, "draft": 50052, "target": 50053}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    for role in ("target", "draft"):
+        parser = subparsers.add_parser(f"{role}-server", help=f"run the {role} service (one model) over gRPC")
+        parser.add_argument("--model", default=None,
+                            help=f"{role} model: HF folder, hub id or .gguf file (default: the default pair's)")
+        add_dtype_arg(parser)
+        parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+        parser.add_argument("--no-engine-costs", action="store_true",
+                            help="do not measure the model's forward costs at startup (they are measured once per "
+                                 "model, engine, device and thread count and cached; see `disco models calibrate`)")
+        parser.add_argument("--max-sessions", type=int, default=SessionLimits.max_sessions,
+                            help=f"concurrent sessions (default {SessionLimits.max_sessions})")
+        parser.add_argument("--idle-ttl", type=float, default=SessionLimits.idle_ttl_s,
+                            help=f"seconds before an idle session is freed (default {SessionLimits.idle_ttl_s:.0f})")
+        _add_threads_arg(parser)
+        _add_listen_args(parser, PORTS[role])
+        add_operations_args(parser)
+        add_server_security_args(parser)
+        if role == "draft":
+            _add_artifact_dir_arg(parser)
+            add_overlap_arg(parser)
+        parser.set_defaults(func=_run_backend, role=role)
+
+    parser = subparsers.add_parser("orchestrator", help="run the public orchestrator over a draft and a target service")
+    parser.add_argument("--target", required=True, metavar="HOST:PORT", help="address of the target service")
+    parser.add_argument("--draft", required=True, metavar="HOST:PORT", help="address of the draft service")
+    parser.add_argument("--model", default=None,
+                        help="the target model, for its tokenizer only (default: the default pair's target)")
+    parser.add_argument("--max-sessions", type=int, default=64, help="concurrent requests (default 64)")
+    parser.add_argument("--max-new-tokens-limit", type=int, default=4096,
+                        help="largest max_new_tokens a request may ask for (default 4096)")
+    _add_listen_args(parser, PORTS["orchestrator"])
+    add_operations_args(parser)
+    add_server_security_args(parser, orchestrator=True)
+    parser.set_defaults(func=run_orchestrator)
+
+    parser = subparsers.add_parser(
+        "serve", help="start target, draft and orchestrator locally (one process each) and print the address",
+        description="Starts the three services as child processes (default pair unless --target/--draft) "
+                    "and stops them all on Ctrl-C or SIGTERM.")
+    add_model_args(parser)
+    _add_threads_arg(parser)
+    _add_listen_args(parser, PORTS["orchestrator"])
+    add_operations_args(parser)
+    _add_artifact_dir_arg(parser)
+    add_overlap_arg(parser, "of the draft service")
+    add_http_port_arg(parser)
+    parser.set_defaults(func=_run_serve)
+    add_deployment_security_args(parser, "security (every child gets the same files)")
+
+
+def _add_artifact_dir_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--artifact-dir", action="append", default=None, metavar="DIR",
+                        help="folder of DISCO artifacts that `disco:NAME` policies may name (repeatable; default "
+                             "$DISCO_HOME/artifacts); a request can never make the draft open any other file")
+
+
+def add_overlap_arg(parser: argparse.ArgumentParser, whose: str = "") -> None:
+    """``--overlap on|off`` (default off); read it with :func:`overlap_from_args`."""
+    parser.add_argument("--overlap", choices=("on", "off"), default="off",
+                        help=f"overlapped drafting{' ' + whose if whose else ''}: pre-draft each request's next "
+                             "block while the target verifies the last one, used when the guess (whole block "
+                             "accepted) is right; output unchanged (default off; docs/overlap.md)")
+
+
+def add_http_port_arg(parser: argparse.ArgumentParser) -> None:
+    """``--http-port`` (default: no HTTP API); see docs/http.md."""
+    parser.add_argument("--http-port", type=int, default=None, metavar="PORT",
+                        help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) "
+                             f"on this port of --host, in front of the orchestrator (0: any free port; "
+                             f"{DEFAULT_HTTP_PORT} is customary; default: off; docs/http.md)")
+
+
+def overlap_from_args(args: argparse.Namespace) -> bool:
+    return getattr(args, "overlap", "off") == "on"
+
+
+def _add_threads_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads per model process (default: torch's choice)")
+
+
+def _add_listen_args(parser: argparse.ArgumentParser, port: int) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=port, help=f"port to bind, 0 for any free one (default {port})")
+    parser.add_argument("--json", action="store_true", help="announce the bound address as one JSON line")
+
+
+def _run_backend(args: argparse.Namespace) -> int:
+    import draft_service.server  # noqa: PLC0415 - grpc and torch are imported only when used
+    import target_service.server  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+    from disco.models.loading import disco_home, load_model  # noqa: PLC0415
+    from protos.runtime.server import serve_until_signal  # noqa: PLC0415
+    from protos.runtime.tls import TlsFiles  # noqa: PLC0415
+
+    _configure_logging(args.log_format)
+    tls = TlsFiles.from_paths(args.tls_cert, args.tls_key, args.tls_ca)  # checked before the model loads
+    if tls is not None and tls.cert is None:
+        raise DiscoError("--tls-ca on a backend needs --tls-cert and --tls-key (its own certificate)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = ModelConfig(spec=args.model, dtype=dtype_from_args(args, args.role), device=args.device)
+    config.validate()
+    if args.no_engine_costs:
+        loaded, costs = load_model(config, args.role, disco_home()), None
+    else:
+        loaded, costs = _load_and_measure(config, args.role)
+    limits = SessionLimits(max_sessions=args.max_sessions, idle_ttl_s=args.idle_ttl)
+    options = dict(host=args.host, port=args.port, limits=limits, max_prompt_tokens=args.max_prompt_tokens or None,
+                   tls=tls, metrics_port=args.metrics_port, forward_s=costs.forward_s if costs else ())
+    if args.role == "draft":
+        running = draft_service.server.serve(
+            loaded, artifact_dirs=args.artifact_dir or [disco_home() / "artifacts"], overlap=overlap_from_args(args),
+            **options)
+    else:
+        running = target_service.server.serve(loaded, **options)
+    if running.metrics is not None:
+        running.metrics.describe_engine(config.dtype, config.device, costs.forward_s if costs else ())
+    _warn_if_exposed(args.host, tls is not None)
+    _announce(args.role, running.address, loaded.name, args.json, running.metrics_address)
+    serve_until_signal([running])
+    return 0
+
+
+def _load_and_measure(config: ModelConfig, role: str):
+    """Load the model and its measured forward costs (cached; measured on the first start):
+    the target's over 1..9 new tokens, the draft's per token (``None`` if measuring fails).
+
+    Both under the machine's measurement lock, so that one service's measurement never
+    runs next to another's model load (``disco serve`` starts both at once)."""
+    from disco.engines import engine_costs  # noqa: PLC0415
+    from disco.models.loading import disco_home, load_model  # noqa: PLC0415
+
+    home = disco_home()
+    with engine_costs.machine_lock(home):
+        loaded = load_model(config, role, home)
+        try:
+            costs = engine_costs.measure_loaded(loaded, config, role, home, progress=False, lock=False)
+        except (DiscoError, RuntimeError) as error:  # NOTE: serving matters more than the numbers
+            logging.getLogger(__name__).warning("could not measure the engine costs: %s", error)
+            costs = None
+    return loaded, costs
+
+
+def run_orchestrator(args: argparse.Namespace, backend_interceptors: Sequence = ()) -> int:
+    """``disco orchestrator``; ``backend_interceptors``: client interceptors on every call to
+    the backends (the benchmarks' added latency, :mod:`disco_cli.bench.latency`)."""
+    from disco.models.loading import disco_home  # noqa: PLC0415
+    from orchestrator.server import load_tokenizer, serve  # noqa: PLC0415
+    from orchestrator.servicer import OrchestratorLimits  # noqa: PLC0415
+    from protos.runtime.server import serve_until_signal  # noqa: PLC0415
+    from protos.runtime.tls import TlsFiles, auth_token_from_env  # noqa: PLC0415
+
+    _configure_logging(args.log_format)
+    tls = TlsFiles.from_paths(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
+    token = auth_token_from_env(args.auth_token)
+    tokenizer = load_tokenizer(args.model, disco_home())
+    limits = OrchestratorLimits(max_new_tokens=args.max_new_tokens_limit, max_sessions=args.max_sessions,
+                                max_prompt_tokens=args.max_prompt_tokens)
+    running = serve(tokenizer, args.draft, args.target, host=args.host, port=args.port, limits=limits, tls=tls,
+                    require_client_cert=args.tls_require_client_cert, auth_token=token,
+                    metrics_port=args.metrics_port, backend_interceptors=backend_interceptors)
+    _warn_if_exposed(args.host, running.tls, token)
+    _announce("orchestrator", running.address, tokenizer.name_or_path, args.json, running.metrics_address)
+    serve_until_signal([running])
+    return 0
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from disco_cli.launcher import ServiceOptions, launch  # noqa: PLC0415
+    from protos.runtime.tls import TlsFiles, auth_token_from_env  # noqa: PLC0415
+
+    tls = TlsFiles.from_paths(args.tls_cert, args.tls_key, args.tls_ca)  # fail here, not in three children
+    if tls is not None and tls.cert is None:
+        raise DiscoError("--tls-ca needs --tls-cert and --tls-key (the services' certificate)")
+    options = ServiceOptions(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+                             tls_server_name=args.tls_server_name, auth_token=auth_token_from_env(args.auth_token),
+                             metrics_port=args.metrics_port, max_prompt_tokens=args.max_prompt_tokens,
+                             log_format=args.log_format, artifact_dirs=tuple(args.artifact_dir or ()))
+    services = launch(pair_config_from_args(args), host=args.host, port=args.port, threads=args.threads,
+                      options=options, overlap=overlap_from_args(args))
+    gateway = None
+    try:
+        if args.http_port is not None:  # after the orchestrator is up: the gateway's first Info reaches it
+            gateway = _start_http(args, services.addresses["orchestrator"], options.auth_token)
+        if args.json:  # with --metrics-port, also {"metrics": {service: HOST:PORT}}; with --http-port, "http"
+            announced = {name: services.addresses[name] for name in ("orchestrator", "draft", "target")}
+            if gateway is not None:
+                announced["http"] = gateway.url
+            print(json.dumps({**announced, "metrics": services.metrics} if services.metrics else announced),
+                  flush=True)
+        else:
+            print(f"disco serving on {services.addresses['orchestrator']} (draft {services.addresses['draft']}, "
+                  f"target {services.addresses['target']}); Ctrl-C stops all three", flush=True)
+            if gateway is not None:
+                print(f"OpenAI-compatible HTTP API on {gateway.url}", flush=True)
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        while not stop.wait(0.5):
+            if (dead := services.dead()) is not None:
+                raise DiscoError(f"the {dead} service exited with code {services.processes[dead].returncode}; "
+                                 "stopping the others")
+            if gateway is not None and not gateway.alive():
+                raise DiscoError("the HTTP gateway stopped; stopping the services")
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        services.stop()
+    return 0
+
+
+def _start_http(args: argparse.Namespace, orchestrator: str, token: str | None):
+    """The HTTP gateway in front of ``orchestrator``, in a thread of this process (HTTPS
+    with the deployment's certificate, when it has one)."""
+    from disco_cli.commands.http import warn_if_exposed  # noqa: PLC0415 - the web stack only when used
+    from orchestrator.http.config import HttpConfig  # noqa: PLC0415
+    from orchestrator.http.server import start_in_thread  # noqa: PLC0415
+
+    config = HttpConfig.fronting(orchestrator, args.host, args.http_port, tls_cert=args.tls_cert,
+                                 tls_key=args.tls_key, tls_ca=args.tls_ca, tls_server_name=args.tls_server_name,
+                                 auth_token=token)
+    gateway = start_in_thread(config)
+    warn_if_exposed(args.host, config.https, token)
+    return gateway
+
+
+def _announce(service: str, address: str, model: str, as_json: bool, metrics: str | None = None) -> None:
+    if as_json:
+        print(json.dumps({"service": service, "address": address, "model": model, "pid": os.getpid(),
+                          "metrics": metrics}), flush=True)
+    else:
+        print(f"{service} service ({model}) listening on {address}"
+              + (f", metrics on http://{metrics}/metrics" if metrics else ""), flush=True)
+
+
+def _warn_if_exposed(host: str, tls: bool, token: str | None = None) -> None:
+    """Binding beyond loopback without TLS (or sending a token in clear) deserves a warning."""
+    if host in ("127.0.0.1", "localhost", "::1", "[::1]"):
+        return
+    if not tls:
+        logging.getLogger(__name__).warning(
+            "listening on %s without TLS: anyone who can reach it can use it (see docs/operations.md)", host)
+        if token:
+            logging.getLogger(__name__).warning("the bearer token travels in clear text without TLS")
+
+
+def _configure_logging(log_format: str = "text") -> None:
+    from protos.runtime.logs import configure_logging  # noqa: PLC0415
+
+    root = logging.getLogger()
+    configure_logging(root.level if root.handlers else logging.INFO, log_format, sys.stderr)
