@@ -93,9 +93,9 @@ class ModelService:
         import draft_service.server  # noqa: PLC0415 - torch-using modules after tune_cpu_math_env
         import target_service.server  # noqa: PLC0415
         from disco.config import ModelConfig  # noqa: PLC0415
+        from disco.engines.sessions import SessionLimits  # noqa: PLC0415
         from disco.models.loading import disco_home, load_model  # noqa: PLC0415
         from disco.platform import resolve_dtype_here  # noqa: PLC0415
-        from disco.engines.sessions import SessionLimits  # noqa: PLC0415
 
         self.role = role
         model = {**model, "dtype": resolve_dtype_here(model.get("dtype", "auto"), model.get("device", "cpu"), role)}

@@ -135,7 +135,7 @@ def launch(pair: PairConfig, host: str = "127.0.0.1", port: int = 0, threads: in
         services.processes["orchestrator"] = _spawn([
             "orchestrator", "--target", services.addresses["target"], "--draft", services.addresses["draft"],
             *tokenizer_args, "--host", host, "--port", str(port), *options.args("orchestrator")],
-            options.env("orchestrator"), program=delayed or None)
+            options.env("orchestrator"), **({"program": delayed} if delayed else {}))
         _record(services, "orchestrator", _await_announcement("orchestrator", services.processes["orchestrator"],
                                                               startup_timeout_s))
     except BaseException:

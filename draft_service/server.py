@@ -6,10 +6,10 @@ import os
 from typing import Sequence
 
 from disco.engines.draft import DraftEngine
-from disco.models.loading import LoadedModel
 from disco.engines.in_process import default_learned_loader
-from disco.speculation.policies import PolicyFactory
 from disco.engines.sessions import SessionLimits
+from disco.models.loading import LoadedModel
+from disco.speculation.policies import PolicyFactory
 from draft_service.artifacts import restricted_loader
 from draft_service.servicer import SERVICE_NAME, DraftServicer
 from protos.disco.v1 import draft_pb2_grpc

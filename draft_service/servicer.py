@@ -13,9 +13,9 @@ from typing import Iterator, Sequence
 import grpc
 
 from disco.engines.draft import DraftEngine
+from disco.engines.sessions import SessionLimits
 from disco.interfaces import DraftEvent, DraftSummary
 from disco.models.loading import LoadedModel
-from disco.engines.sessions import SessionLimits
 from draft_service.run_ahead import run_ahead
 from protos import convert
 from protos.disco.v1 import common_pb2, draft_pb2, draft_pb2_grpc

@@ -12,8 +12,8 @@ from typing import Sequence
 
 import grpc
 
-from disco.speculation.cost_model import CostModel
 from disco.errors import DiscoError, ModelError, VocabularyMismatch
+from disco.speculation.cost_model import CostModel
 from orchestrator.failover import FailoverDrafter, FailoverVerifier, SessionTrack
 from orchestrator.remote import CallScope
 from orchestrator.routing import ReplicaSet

@@ -10,12 +10,11 @@ from pathlib import Path
 from typing import Sequence
 
 import grpc
-
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from disco.errors import ModelError
-from disco.models.gguf import convert_gguf
 from disco.models.default_pair import ensure_default_model
+from disco.models.gguf import convert_gguf
 from disco.models.loading import tokenizer_hash
 from orchestrator.backends import Backends
 from orchestrator.metrics import OrchestratorMetrics

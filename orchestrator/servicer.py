@@ -20,9 +20,9 @@ from transformers import PreTrainedTokenizerBase
 
 import disco
 from disco.config import DEFAULT_MAX_LOOKAHEAD, MAX_LOOKAHEAD_LIMIT, SamplingParams, SpeculationConfig
+from disco.engines.in_process import encode_messages, encode_prompt, make_decode
 from disco.errors import DiscoError, InvalidRequest, ResourceExhausted
 from disco.speculation.loop import GenerationEvent, GenerationResult, SpeculativeGenerator, TokenChunk
-from disco.engines.in_process import encode_messages, encode_prompt, make_decode
 from disco.speculation.policies import POLICY_INFOS, parse_policy_spec, reads_costs
 from orchestrator.backends import Backends
 from orchestrator.degrade import DegradingDrafter, UnreachableDrafter, draft_check
@@ -30,8 +30,8 @@ from orchestrator.failover import FailoverDrafter, FailoverVerifier
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.remote import DEFAULT_CALL_TIMEOUT_S, CallScope
 from protos import convert
-from protos.stats import stats_to_pb
 from protos.disco.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from protos.stats import stats_to_pb
 
 SERVICE_NAME = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name
 DEFAULT_POLICY = SpeculationConfig().policy

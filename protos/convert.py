@@ -15,10 +15,10 @@ import torch
 
 import disco
 from disco.config import SamplingParams
+from disco.engines.sessions import SessionLimits
 from disco.errors import InvalidRequest
 from disco.interfaces import DraftEvent, DraftSummary, DraftToken, Feedback, PrefillResult
 from disco.models.loading import LoadedModel
-from disco.engines.sessions import SessionLimits
 from protos.disco.v1 import common_pb2, draft_pb2
 
 #: Refuse distributions larger than any real vocabulary (protects the receiver's memory).

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from disco.models.loading import LoadedModel
 from disco.engines.sessions import SessionLimits
 from disco.engines.target import TargetEngine
+from disco.models.loading import LoadedModel
 from protos.disco.v1 import target_pb2_grpc
 from protos.runtime.metrics import ServerMetrics
 from protos.runtime.server import RunningServer, start_server

@@ -11,10 +11,10 @@ from typing import Sequence
 
 import grpc
 
-from disco.errors import InvalidRequest
-from disco.models.loading import LoadedModel
 from disco.engines.sessions import SessionLimits
 from disco.engines.target import TargetEngine
+from disco.errors import InvalidRequest
+from disco.models.loading import LoadedModel
 from protos import convert
 from protos.disco.v1 import common_pb2, target_pb2, target_pb2_grpc
 from protos.runtime.metrics import ServerMetrics

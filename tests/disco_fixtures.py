@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from disco.offline.datasets import Dataset, PromptItem
-from disco.speculation.features import FeatureSpec, Projection
 from disco.offline.records import RecordConfig, build_records
+from disco.speculation.features import FeatureSpec, Projection
 from disco.speculation.policies.learned import CompiledClassifier, DiscoArtifact
 from tests.helpers import EOS_ID, PROMPTS
 

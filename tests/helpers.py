@@ -4,10 +4,10 @@ import threading
 
 from disco.config import SamplingParams, SpeculationConfig
 from disco.engines.draft import DraftEngine
-from disco.speculation.loop import SpeculativeGenerator
 from disco.engines.in_process import make_decode
-from disco.speculation.policies import PolicyFactory
 from disco.engines.target import TargetEngine
+from disco.speculation.loop import SpeculativeGenerator
+from disco.speculation.policies import PolicyFactory
 
 EOS_ID = 0
 

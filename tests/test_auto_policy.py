@@ -4,11 +4,17 @@ DISCO's stop decision inside it — and exact output whatever it decides."""
 import pytest
 
 from disco.config import SamplingParams, SpeculationConfig
-from disco.speculation.cost_model import CostModel
 from disco.errors import InvalidRequest
+from disco.speculation.cost_model import CostModel
 from disco.speculation.policies import PolicyFactory, parse_policy_spec
 from disco.speculation.policies.auto import (
-    AutoPolicy, best_lookahead, decode_costs, encode_costs, expected_speedup, speculation_pays)
+    AutoPolicy,
+    best_lookahead,
+    decode_costs,
+    encode_costs,
+    expected_speedup,
+    speculation_pays,
+)
 from disco.speculation.policies.learned import make_learned_loader
 from tests.helpers import PROMPTS, local_generator
 

@@ -19,14 +19,13 @@ import torch
 
 from disco.config import SamplingParams, SpeculationConfig
 from disco.engines.draft import DraftEngine
-from disco.interfaces import DraftToken, Feedback
 from disco.engines.kv import CachedSequence
-from disco.speculation.policies import PolicyFactory
-from disco.models.weight_only import DENSE_MIN_ROWS, dense_prefill
-from disco.models.quantize import quantize_model
-from disco.models.weight_only import WeightOnlyLinear
-from disco.models.row_stable import RowPlan, RowStableLinear, cancelling_inputs, stabilize
 from disco.engines.target import TargetEngine
+from disco.interfaces import DraftToken, Feedback
+from disco.models.quantize import quantize_model
+from disco.models.row_stable import RowPlan, RowStableLinear, cancelling_inputs, stabilize
+from disco.models.weight_only import DENSE_MIN_ROWS, WeightOnlyLinear, dense_prefill
+from disco.speculation.policies import PolicyFactory
 
 VOCAB = 512
 

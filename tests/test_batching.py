@@ -5,8 +5,8 @@ import time
 
 import torch
 
-from disco.engines.batching import ForwardBatcher
 from disco.config import SamplingParams, SpeculationConfig
+from disco.engines.batching import ForwardBatcher
 from disco.engines.kv import CachedSequence
 from tests.helpers import generate_at_once, local_generator
 

@@ -6,8 +6,6 @@ import pytest
 from disco_cli.main import main
 
 
-
-
 def test_demo_streams_and_compares(tiny_pair_dirs, capsys):
     code = main(["demo", "--target", str(tiny_pair_dirs["target"]), "--draft", str(tiny_pair_dirs["draft"]),
                  "--dtype", "float32", "--prompt", "def add(a, b):", "--max-new-tokens", "16"])

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 
 from disco.config import SamplingParams, SpeculationConfig
-from disco.speculation.cost_model import CostModel
-from disco.speculation.features import FeatureSpec
 from disco.offline.records import OracleRecord, RecordConfig, compute_record
-from disco.speculation.policies import PolicyFactory
-from disco.speculation.policies.learned import DiscoPolicy
 from disco.offline.replay import expand_policies, replay_policy
 from disco.offline.training import ExampleCollector
+from disco.speculation.cost_model import CostModel
+from disco.speculation.features import FeatureSpec
+from disco.speculation.policies import PolicyFactory
+from disco.speculation.policies.learned import DiscoPolicy
 from tests.disco_fixtures import LOOKAHEAD, MAX_NEW_TOKENS, handmade_artifact, tiny_records
 from tests.helpers import ALL_POLICIES, PROMPTS, local_generator
 

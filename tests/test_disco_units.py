@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from disco.engines.engine_costs import measure_cost_model
-from disco.speculation.cost_model import CostModel
-from disco.offline.datasets import load_dataset
 from disco.errors import InvalidRequest
+from disco.offline.classifiers import Examples, _fit_classifier, compile_estimator, make_estimator, raw_score
+from disco.offline.datasets import load_dataset
+from disco.speculation.cost_model import CostModel
 from disco.speculation.features import FeatureExtractor, FeatureSpec
 from disco.speculation.signals import TokenSignals
-from disco.offline.classifiers import Examples, _fit_classifier, compile_estimator, make_estimator, raw_score
 
 
 def test_humaneval_split_is_fixed_and_disjoint():

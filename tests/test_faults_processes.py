@@ -29,8 +29,8 @@ import draft_service.server
 import orchestrator.server
 import target_service.server
 from disco.config import ModelConfig, SamplingParams, SpeculationConfig
-from disco.models.loading import load_model
 from disco.errors import Unavailable
+from disco.models.loading import load_model
 from orchestrator.client import DiscoClient, DiscoRpcError
 from orchestrator.remote import CallScope, RemoteDrafter
 from orchestrator.server import load_tokenizer

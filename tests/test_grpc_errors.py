@@ -10,13 +10,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 import draft_service.server
+from disco.errors import Unavailable
 from orchestrator.backends import Backends
 from orchestrator.client import DiscoClient, DiscoRpcError
+from orchestrator.remote import CallScope
 from orchestrator.servicer import SERVICE_NAME, OrchestratorLimits, OrchestratorServicer
 from protos import convert
 from protos.disco.v1 import common_pb2, draft_pb2, draft_pb2_grpc, orchestrator_pb2_grpc, target_pb2, target_pb2_grpc
-from disco.errors import Unavailable
-from orchestrator.remote import CallScope
 from protos.runtime.server import Cancelled, DeadlineExceeded, start_server, status_for
 from tests.grpc_fixtures import free_port, grpc_stacks, loaded, start_orchestrator  # noqa: F401 - fixture
 from tests.helpers import PROMPTS

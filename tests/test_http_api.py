@@ -13,6 +13,7 @@ import sys
 import time
 
 import openai
+
 try:  # the HTTP client the installed openai package uses (httpx2 in recent releases, httpx before)
     import httpx2
 except ImportError:  # pragma: no cover - depends on the openai release pip picked

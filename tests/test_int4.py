@@ -10,12 +10,12 @@ import json
 import pytest
 import torch
 
-from disco.models import quantize
 from disco.config import ModelConfig, SamplingParams, SpeculationConfig
-from disco.models.weight_only import dense_prefill
+from disco.models import quantize
 from disco.models.int4 import Int4Linear, group_size_for, quantize_weight_int4
 from disco.models.loading import load_model, quantized_folder
 from disco.models.quantize import Int8Linear, quantize_model
+from disco.models.weight_only import dense_prefill
 from tests.helpers import PROMPTS, local_generator
 
 POLICIES = ("static:1", "static:4", "heuristic:2", "confidence:0.4")

@@ -12,16 +12,16 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from disco.models import quantize
-from disco.models.weight_only import DENSE_MIN_ROWS, dense_prefill
 from disco.config import ModelConfig, SamplingParams, SpeculationConfig
+from disco.engines.sessions import SessionLimits
 from disco.errors import InvalidRequest
+from disco.models import quantize
 from disco.models.loading import load_model, quantized_folder
-from disco.platform import resolve_dtype
 from disco.models.quantize import Int8Linear, quantize_model, quantize_weight
+from disco.models.weight_only import DENSE_MIN_ROWS, dense_prefill
+from disco.platform import resolve_dtype
 from protos.convert import service_info_pb
 from protos.runtime.metrics import ServerMetrics
-from disco.engines.sessions import SessionLimits
 from tests import tiny
 from tests.helpers import PROMPTS, local_generator
 
@@ -257,8 +257,8 @@ def test_explicit_dtype_is_kept(dtype):
                                                              ({"amx_bf16"}, "bfloat16", "int4")])
 def test_cli_resolves_auto_once_at_the_entry_point(monkeypatch, flags, expected, draft_expected):
     import disco.platform
-    from disco_cli.main import build_parser
     from disco_cli.commands.common import pair_config_from_args
+    from disco_cli.main import build_parser
 
     monkeypatch.setattr(disco.platform, "cpu_flags", lambda: frozenset(flags))
     args = build_parser().parse_args(["generate", "--prompt", "x"])

@@ -5,8 +5,8 @@ import torch
 
 from disco.config import SamplingParams
 from disco.engines.draft import DraftEngine
-from disco.interfaces import DraftToken, Feedback
 from disco.engines.kv import CachedSequence
+from disco.interfaces import DraftToken, Feedback
 from disco.speculation.policies import PolicyFactory
 
 PROMPT = [11, 57, 203, 9, 140, 77, 5]

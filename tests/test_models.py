@@ -12,9 +12,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from disco.models import default_pair as model_store
 from disco.config import ModelConfig, PairConfig
 from disco.errors import ModelError, VocabularyMismatch
+from disco.models import default_pair as model_store
 from disco.models.loading import check_same_vocabulary, disco_home, load_model, load_pair
 
 EOS = "<|endoftext|>"

@@ -16,15 +16,15 @@ from scipy.stats import chisquare
 
 from disco.config import SamplingParams, SpeculationConfig
 from disco.engines.draft import DraftEngine
+from disco.engines.in_process import make_decode
+from disco.engines.target import TargetEngine
 from disco.errors import InvalidRequest, SessionNotFound
 from disco.interfaces import DraftSummary, DraftToken, Feedback
 from disco.speculation.loop import SpeculativeGenerator
-from disco.engines.in_process import make_decode
 from disco.speculation.policies import PolicyFactory
 from disco.speculation.policies.learned import make_learned_loader
 from disco.speculation.sampling import logits_to_probs
 from disco.stats import RequestStats
-from disco.engines.target import TargetEngine
 from tests import tiny
 from tests.helpers import EOS_ID, PROMPTS, local_generator
 

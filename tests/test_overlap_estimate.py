@@ -5,9 +5,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from disco.speculation.cost_model import CostModel
 from disco.offline.overlap_estimate import MISS_PENALTY_FORWARDS, estimate, estimate_record
 from disco.offline.replay import RecordReplay
+from disco.speculation.cost_model import CostModel
 from disco.stats import RequestStats
 
 COST = CostModel(t_draft=0.05, t_verify=(0.2, 0.22, 0.24, 0.26, 0.3), t_rtt=0.0)
@@ -60,9 +60,9 @@ def test_round_trips_widen_the_window_and_sum_over_records():
 
 
 def test_replay_runs_a_bare_auto_with_its_cost_model():
+    from disco.offline.replay import with_costs
     from disco.speculation.policies import parse_policy_spec
     from disco.speculation.policies.auto import decode_costs
-    from disco.offline.replay import with_costs
 
     spec = with_costs("auto", COST)
     assert spec.startswith("auto:") and with_costs("static:2", COST) == "static:2"

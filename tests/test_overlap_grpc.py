@@ -20,11 +20,11 @@ import draft_service.server
 import target_service.server
 from disco.config import SamplingParams, SpeculationConfig
 from disco.engines.draft import DraftEngine
+from disco.engines.predraft import Predraft
 from disco.errors import SessionNotFound
 from disco.interfaces import DraftSummary
 from disco.speculation.policies import PolicyFactory
 from disco.speculation.policies.learned import make_learned_loader
-from disco.engines.predraft import Predraft
 from disco.stats import RequestStats
 from orchestrator.client import DiscoClient, build_request
 from protos import convert

@@ -26,9 +26,9 @@ from deploy.ray_head import use_token_auth  # noqa: E402 - imports no ray
 use_token_auth(generate=True)  # before `import ray`: the local head uses Ray's token auth
 ray = pytest.importorskip("ray")
 
-from disco_cli.main import main  # noqa: E402
 from deploy.ray_launcher import UpConfig, down, status, up  # noqa: E402
 from disco.config import SamplingParams, SpeculationConfig  # noqa: E402
+from disco_cli.main import main  # noqa: E402
 from orchestrator.client import DiscoClient, DiscoRpcError  # noqa: E402
 from tests.helpers import PROMPTS, local_generator  # noqa: E402
 from tests.pki import Authority  # noqa: E402

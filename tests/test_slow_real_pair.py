@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from disco.config import ModelConfig, PairConfig, SamplingParams, SpeculationConfig
-from disco.offline.datasets import load_dataset
-from disco.models.weight_only import DENSE_MIN_ROWS
+from disco.engines.in_process import build_local_pipeline, encode_prompt
 from disco.engines.kv import CachedSequence
 from disco.models.loading import disco_home
-from disco.engines.in_process import build_local_pipeline, encode_prompt
+from disco.models.weight_only import DENSE_MIN_ROWS
+from disco.offline.datasets import load_dataset
 from disco.platform import resolve_dtype_here
 from tests.helpers import generate_at_once
 

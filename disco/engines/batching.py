@@ -29,6 +29,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+
 from disco.engines.kv import CachedSequence
 from disco.engines.packed_forward import supports_packing
 from disco.engines.packing_proof import PackingVerdict, prove_packing

@@ -16,14 +16,14 @@ from typing import Iterator, Sequence
 import torch
 
 from disco.config import SamplingParams
-from disco.errors import InvalidRequest, SessionNotFound
-from disco.interfaces import DraftEvent, DraftSummary, DraftToken, Feedback, PrefillResult
 from disco.engines.batching import ForwardBatcher
 from disco.engines.kv import CachedSequence
-from disco.speculation.policies import Decision, PolicyFactory, StopPolicy, block_budget
 from disco.engines.predraft import Predraft, can_predraft
-from disco.speculation.sampling import logits_to_probs, make_generator
 from disco.engines.sessions import SessionLimits, SessionStore
+from disco.errors import InvalidRequest, SessionNotFound
+from disco.interfaces import DraftEvent, DraftSummary, DraftToken, Feedback, PrefillResult
+from disco.speculation.policies import Decision, PolicyFactory, StopPolicy, block_budget
+from disco.speculation.sampling import logits_to_probs, make_generator
 from disco.speculation.signals import TokenSignals, token_signals
 
 

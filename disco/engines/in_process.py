@@ -10,15 +10,15 @@ from typing import Sequence
 from transformers import PreTrainedTokenizerBase
 
 from disco.config import ModelConfig, PairConfig
+from disco.engines.draft import DraftEngine
+from disco.engines.target import TargetEngine
+from disco.errors import InvalidRequest
+from disco.models.loading import LoadedModel, check_same_vocabulary, load_model
 from disco.speculation.cost_model import CostModel
 from disco.speculation.detokenize import Decode
-from disco.engines.draft import DraftEngine
-from disco.errors import InvalidRequest
 from disco.speculation.loop import SpeculativeGenerator
-from disco.models.loading import LoadedModel, check_same_vocabulary, load_model
 from disco.speculation.policies import PolicyFactory
 from disco.speculation.policies.spec import LearnedPolicyLoader
-from disco.engines.target import TargetEngine
 
 logger = logging.getLogger(__name__)
 

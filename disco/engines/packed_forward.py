@@ -10,9 +10,10 @@ Two numeric promises, and how they are kept:
    per layer in bf16 — enough to flip a greedy argmax a few dozen tokens in (issue 17).
    Here the pending tokens of all sessions form *one* row of ``sum(k_i)`` tokens with
    each session's own position ids. Everything but attention is row-wise (embeddings,
-   norms, MLPs, projections, the LM head) and a CPU linear in bf16/fp16/int8 gives each
-   row the same bits whatever the number of rows (``tests/test_batching.py`` checks this
-   kernel property); attention runs per session, on the session's own cache
+   norms, MLPs, projections, the LM head), and every low-precision CPU linear follows a
+   row plan proven at load (:mod:`disco.models.row_stable`: call sizes whose bits do not
+   depend on the other rows; :mod:`disco.engines.packing_proof` checks the whole forward
+   at engine start); attention runs per session, on the session's own cache
    (:class:`PackedCache`) with the mask its own forward would build.
 2. **A verified block equals decoding.** A target forward over a block of k draft tokens
    must give the logits that k one-token forwards give, or speculation changes the output
@@ -22,9 +23,9 @@ Two numeric promises, and how they are kept:
    A prefill (the prompt, no logits) keeps the one-call causal attention: both decoding
    and speculation prefill the same way.
 
-With both, greedy speculative output in bf16 equals target-only output on CPUs whose
-linear kernels are row-invariant (measured: this project's AVX2 machines, bf16 and int8;
-float32 GEMM is not row-invariant there, its ~1e-6 differences stay far below a flip).
+With both, greedy speculative output in bf16 equals target-only output wherever the row
+plans hold (measured: AVX2, AMX and AVX-512-BF16 CPUs, bf16 and int8/int4; float32 GEMM
+is not row-invariant on AVX2, its ~1e-6 differences stay far below a flip).
 
 The attention function is installed once per model (:func:`install`); without a packed
 forward in flight it is exactly the model's previous implementation (sdpa), so every other

@@ -38,8 +38,8 @@ from typing import Callable
 import torch
 
 from disco.engines.batching import ForwardBatcher
-from disco.interfaces import DraftToken, Feedback
 from disco.engines.kv import CachedSequence
+from disco.interfaces import DraftToken, Feedback
 from disco.speculation.policies import Decision, StopPolicy, block_budget
 from disco.speculation.policies.learned import DiscoArtifact
 from disco.speculation.policies.simple import OraclePolicy

@@ -10,12 +10,12 @@ from typing import Sequence
 import torch
 
 from disco.config import SamplingParams
-from disco.errors import InvalidRequest
-from disco.interfaces import PrefillResult, VerifyResult
 from disco.engines.batching import ForwardBatcher
 from disco.engines.kv import CachedSequence
-from disco.speculation.sampling import greedy_accept, logits_to_probs, make_generator, rejection_sample
 from disco.engines.sessions import SessionLimits, SessionStore
+from disco.errors import InvalidRequest
+from disco.interfaces import PrefillResult, VerifyResult
+from disco.speculation.sampling import greedy_accept, logits_to_probs, make_generator, rejection_sample
 
 
 @dataclass

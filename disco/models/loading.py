@@ -29,11 +29,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from disco.models import quantize, row_stable
 from disco.config import ModelConfig, PairConfig
 from disco.errors import ModelError, VocabularyMismatch, first_line
-from disco.models.gguf import SOURCE_FILE, convert_gguf
+from disco.models import quantize, row_stable
 from disco.models.default_pair import ROLES, default_model, ensure_default_model
+from disco.models.gguf import SOURCE_FILE, convert_gguf
 
 logger = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from disco.models.weight_only import WeightOnlyLinear, chunked_gemm
 from disco.models.int4 import GROUP_SIZE, Int4Linear, int4_fits
+from disco.models.weight_only import WeightOnlyLinear, chunked_gemm
 
 #: Version of the quantized format per engine (the cache is keyed by it).
 QUANT_FORMATS = {"int8": "int8wo-v1", "int4": f"int4wo-g{GROUP_SIZE}-v1"}

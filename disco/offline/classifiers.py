@@ -11,7 +11,7 @@ from typing import Sequence
 import numpy as np
 
 from disco.errors import InvalidRequest
-from disco.speculation.policies.learned import CompiledClassifier, LABELS
+from disco.speculation.policies.learned import LABELS, CompiledClassifier
 
 KINDS = ("logreg", "mlp", "gbm")
 

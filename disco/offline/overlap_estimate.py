@@ -30,10 +30,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from disco.speculation.cost_model import CostModel
 from disco.offline.records import OracleRecord, RecordSet
-from disco.speculation.policies.auto import with_costs
 from disco.offline.replay import RecordReplay, replay_policy
+from disco.speculation.cost_model import CostModel
+from disco.speculation.policies.auto import with_costs
 
 #: On a miss the draft finishes the forward in flight: half a draft forward on average.
 MISS_PENALTY_FORWARDS = 0.5

@@ -50,14 +50,14 @@ import numpy as np
 import torch
 
 from disco.config import SamplingParams, SpeculationConfig
-from disco.offline.datasets import Dataset
 from disco.engines.draft import DraftEngine
-from disco.errors import InvalidRequest
 from disco.engines.kv import CachedSequence
+from disco.engines.target import TargetEngine
+from disco.errors import InvalidRequest
+from disco.offline.datasets import Dataset
 from disco.speculation.loop import SpeculativeGenerator
 from disco.speculation.policies import PolicyFactory
 from disco.speculation.signals import TOP_K_SIGNALS, TokenSignals, token_signals
-from disco.engines.target import TargetEngine
 
 logger = logging.getLogger(__name__)
 
@@ -429,7 +429,7 @@ def identify_model(config, role: str, home: Path) -> dict | None:
     identified by loading them)."""
     from transformers import AutoTokenizer  # noqa: PLC0415
 
-    from disco.models.loading import resolve_location, folder_fingerprint, tokenizer_hash  # noqa: PLC0415
+    from disco.models.loading import folder_fingerprint, resolve_location, tokenizer_hash  # noqa: PLC0415
 
     location, _, is_hub = resolve_location(config.spec, role, home, progress=True)
     if is_hub:

@@ -28,9 +28,9 @@ from typing import Callable, Iterable, Protocol, Sequence
 
 import numpy as np
 
-from disco.speculation.cost_model import CostModel
 from disco.errors import InvalidRequest
 from disco.offline.records import OracleRecord, RecordSet
+from disco.speculation.cost_model import CostModel
 from disco.speculation.policies import Decision, PolicyFactory, StopPolicy, block_budget, parse_policy_spec
 from disco.speculation.policies.auto import with_costs
 from disco.speculation.policies.simple import OraclePolicy

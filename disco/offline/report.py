@@ -14,10 +14,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
-from disco.speculation.cost_model import CostModel
 from disco.offline.records import RecordSet
-from disco.offline.replay import (DEFAULT_REPLAY_LOOKAHEAD, PolicyReplay, replay_policy, summarize,
-                          target_only_seconds)
+from disco.offline.replay import DEFAULT_REPLAY_LOOKAHEAD, PolicyReplay, replay_policy, summarize, target_only_seconds
+from disco.speculation.cost_model import CostModel
 
 STATIC = tuple(f"static:{k}" for k in range(1, 13))
 CONFIDENCE = tuple(f"confidence:{t / 20:g}" for t in range(1, 20))

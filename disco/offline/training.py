@@ -34,16 +34,15 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from disco.offline.classifiers import KINDS, Examples, auc, fit_classifier
-from disco.speculation.cost_model import CostModel
-from disco.offline.datasets import HUMANEVAL, Dataset, load_dataset
 from disco.errors import InvalidRequest
-from disco.speculation.features import DEFAULT_GROUPS, FEATURE_VERSION, FeatureExtractor, FeatureSpec, Projection
+from disco.offline.classifiers import KINDS, Examples, auc, fit_classifier
+from disco.offline.datasets import HUMANEVAL, Dataset, load_dataset
 from disco.offline.records import OracleRecord, RecordSet
-from disco.speculation.policies.learned import CompiledClassifier, DiscoArtifact, LABELS
+from disco.offline.replay import DEFAULT_REPLAY_LOOKAHEAD, PolicyReplay, replay_policy, summarize, target_only_seconds
+from disco.speculation.cost_model import CostModel
+from disco.speculation.features import DEFAULT_GROUPS, FEATURE_VERSION, FeatureExtractor, FeatureSpec, Projection
+from disco.speculation.policies.learned import LABELS, CompiledClassifier, DiscoArtifact
 from disco.speculation.policies.stop_rules import RULES, candidates, threshold_grid
-from disco.offline.replay import (DEFAULT_REPLAY_LOOKAHEAD, PolicyReplay, replay_policy, summarize,
-                          target_only_seconds)
 from disco.speculation.signals import TokenSignals
 
 logger = logging.getLogger(__name__)

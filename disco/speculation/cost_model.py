@@ -23,6 +23,7 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
+
 from disco.errors import InvalidRequest
 
 

@@ -22,10 +22,10 @@ from typing import Iterator, Sequence, Union
 import torch
 
 from disco.config import SamplingParams, SpeculationConfig
+from disco.errors import InvalidRequest, SessionNotFound, Unavailable
+from disco.interfaces import Drafter, DraftSummary, Feedback, Verifier
 from disco.speculation.cost_model import CostModel
 from disco.speculation.detokenize import Decode, IncrementalDetokenizer
-from disco.errors import InvalidRequest, SessionNotFound, Unavailable
-from disco.interfaces import DraftSummary, Drafter, Feedback, Verifier
 from disco.speculation.policies import parse_policy_spec
 from disco.speculation.policies.auto import speculation_pays, with_costs
 from disco.stats import RequestStats

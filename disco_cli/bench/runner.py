@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 from tqdm import tqdm
 
 from disco.config import SamplingParams, SpeculationConfig
-from disco_cli.bench.transports import RunOutcome, Runner
+from disco_cli.bench.transports import Runner, RunOutcome
 
 #: Transport names of runners whose draft engine pre-drafts (``disco bench --overlap on``).
 OVERLAP_SUFFIX = "+overlap"

@@ -58,8 +58,8 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from disco.config import SamplingParams, SpeculationConfig  # noqa: PLC0415 - heavy imports when used
-    from disco.offline.datasets import load_dataset  # noqa: PLC0415
     from disco.models.loading import disco_home  # noqa: PLC0415
+    from disco.offline.datasets import load_dataset  # noqa: PLC0415
     from disco.speculation.policies import parse_policy_spec, reads_costs  # noqa: PLC0415
     from disco_cli.bench import report, runner, transports  # noqa: PLC0415
 

@@ -71,8 +71,8 @@ def _identical(outputs: list, expected: dict[str, tuple[int, ...]]) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from orchestrator.client import DiscoClient  # noqa: PLC0415
     from disco_cli.launcher import launch  # noqa: PLC0415
+    from orchestrator.client import DiscoClient  # noqa: PLC0415
 
     levels = [int(level) for level in args.levels.split(",")]
     services = None if args.server else launch(pair_config_from_args(args))

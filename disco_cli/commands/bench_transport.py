@@ -55,14 +55,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.floor:
         return _run_floor(args)
-    from disco.config import SamplingParams, SpeculationConfig  # noqa: PLC0415 - heavy imports when used
-    from disco.models.loading import disco_home  # noqa: PLC0415
-    from disco.engines.in_process import build_local_pipeline, encode_prompt  # noqa: PLC0415
-    from disco.stats import RequestStats  # noqa: PLC0415
-    from orchestrator.client import DiscoClient  # noqa: PLC0415
-    from disco_cli.launcher import launch  # noqa: PLC0415
-
     import torch  # noqa: PLC0415
+
+    from disco.config import SamplingParams, SpeculationConfig  # noqa: PLC0415 - heavy imports when used
+    from disco.engines.in_process import build_local_pipeline, encode_prompt  # noqa: PLC0415
+    from disco.models.loading import disco_home  # noqa: PLC0415
+    from disco.stats import RequestStats  # noqa: PLC0415
+    from disco_cli.launcher import launch  # noqa: PLC0415
+    from orchestrator.client import DiscoClient  # noqa: PLC0415
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -32,8 +32,8 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from disco.speculation.policies import parse_policy_spec  # noqa: PLC0415
-    from orchestrator.client import DiscoClient, DiscoRpcError  # noqa: PLC0415
     from disco_cli.launcher import launch  # noqa: PLC0415
+    from orchestrator.client import DiscoClient, DiscoRpcError  # noqa: PLC0415
 
     parse_policy_spec(args.policy)
     pair = pair_config_from_args(args)

@@ -71,8 +71,8 @@ def run(args: argparse.Namespace) -> int:
     sampling, speculation = request_from_args(args)
     if args.server:
         return _run_remote(args, sampling, speculation)
-    from disco.models.loading import disco_home  # noqa: PLC0415 - heavy imports only when needed
     from disco.engines.in_process import build_local_pipeline, encode_prompt  # noqa: PLC0415
+    from disco.models.loading import disco_home  # noqa: PLC0415 - heavy imports only when needed
 
     if not args.prompt.strip():
         from disco.errors import InvalidRequest  # noqa: PLC0415

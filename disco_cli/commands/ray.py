@@ -198,16 +198,15 @@ def _run_ray_orchestrator(args: argparse.Namespace) -> int:
     from deploy.ray_head import use_token_auth  # noqa: PLC0415
 
     use_token_auth(generate=False)
+    from grpc_health.v1 import health_pb2  # noqa: PLC0415
+
     from deploy.ray_resolver import RayResolver  # noqa: PLC0415
     from disco.errors import Unavailable  # noqa: PLC0415
     from disco.models.loading import disco_home  # noqa: PLC0415
     from orchestrator.routing import ReplicaSet  # noqa: PLC0415
-    from grpc_health.v1 import health_pb2  # noqa: PLC0415
-
     from orchestrator.server import load_tokenizer, serve  # noqa: PLC0415
     from orchestrator.servicer import SERVICE_NAME  # noqa: PLC0415
     from protos.runtime.server import serve_until_signal  # noqa: PLC0415
-
     from protos.runtime.tls import TlsFiles, auth_token_from_env  # noqa: PLC0415
 
     tls = TlsFiles.from_paths(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)

@@ -19,8 +19,8 @@ import threading
 from typing import Sequence
 
 from disco.config import ModelConfig
-from disco.errors import DiscoError
 from disco.engines.sessions import SessionLimits
+from disco.errors import DiscoError
 from disco_cli.commands.common import (
     add_deployment_security_args,
     add_dtype_arg,
@@ -124,9 +124,10 @@ def _add_listen_args(parser: argparse.ArgumentParser, port: int) -> None:
 
 
 def _run_backend(args: argparse.Namespace) -> int:
+    import torch  # noqa: PLC0415
+
     import draft_service.server  # noqa: PLC0415 - grpc and torch are imported only when used
     import target_service.server  # noqa: PLC0415
-    import torch  # noqa: PLC0415
     from disco.models.loading import disco_home, load_model  # noqa: PLC0415
     from protos.runtime.server import serve_until_signal  # noqa: PLC0415
     from protos.runtime.tls import TlsFiles  # noqa: PLC0415

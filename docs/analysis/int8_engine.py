@@ -45,10 +45,10 @@ tune_cpu_math_env()  # before torch, as the CLI does
 import torch  # noqa: E402
 
 from disco.config import ModelConfig  # noqa: E402
-from disco.offline.datasets import load_dataset  # noqa: E402
 from disco.engines.kv import CachedSequence  # noqa: E402
 from disco.models.loading import disco_home, load_model  # noqa: E402
 from disco.models.quantize import quantize_model  # noqa: E402
+from disco.offline.datasets import load_dataset  # noqa: E402
 
 VARIANTS = ("bf16", "int8", "int8-densehead")
 

@@ -29,11 +29,10 @@ import argparse
 import copy
 import json
 import statistics
-import time
-from typing import Callable
-
 import sys
+import time
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 

@@ -31,10 +31,10 @@ tune_cpu_math_env()
 
 import torch  # noqa: E402
 
-from disco.models import row_stable  # noqa: E402
 from disco.config import ModelConfig, SamplingParams  # noqa: E402
-from disco.models.loading import disco_home, load_model  # noqa: E402
 from disco.engines.target import TargetEngine  # noqa: E402
+from disco.models import row_stable  # noqa: E402
+from disco.models.loading import disco_home, load_model  # noqa: E402
 
 
 def _cache(engine: TargetEngine, session_id: str) -> list[torch.Tensor]:

@@ -38,8 +38,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from disco.speculation.cost_model import CostModel
 from disco.errors import InvalidRequest
+from disco.speculation.cost_model import CostModel
 from disco.speculation.policies.base import Decision, StopPolicy
 from disco.speculation.signals import TokenSignals
 

@@ -39,8 +39,8 @@ from typing import Callable
 
 import numpy as np
 
-from disco.speculation.cost_model import CostModel
 from disco.errors import InvalidRequest
+from disco.speculation.cost_model import CostModel
 from disco.speculation.features import FeatureExtractor, FeatureSpec, Projection
 from disco.speculation.policies.base import Decision, StopPolicy
 from disco.speculation.policies.stop_rules import StopRule

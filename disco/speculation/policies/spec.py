@@ -24,7 +24,6 @@ from disco.speculation.policies.simple import (
     TargetOnlyPolicy,
 )
 
-
 logger = logging.getLogger(__name__)
 
 #: ``auto``'s stop rule where the DISCO artifact does not fit the draft: confidence at the

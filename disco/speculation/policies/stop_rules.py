@@ -29,8 +29,8 @@ from typing import Sequence
 
 import numpy as np
 
-from disco.speculation.cost_model import CostModel
 from disco.errors import InvalidRequest
+from disco.speculation.cost_model import CostModel
 
 RULES = ("token", "cumulative", "gain")
 #: Rules tried per label by training (products of ``current``/``next`` would double count:
