@@ -13,7 +13,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
@@ -38,7 +38,9 @@ class _DropExpectedWarning(logging.Filter):
 
 logging.getLogger("ray.actor").addFilter(_DropExpectedWarning())
 
-PLACEMENTS = {"spread": "STRICT_SPREAD", "pack": "PACK"}
+#: ``spread``: every replica on its own node; ``pair``: draft i next to target i, the pairs on
+#: different nodes; ``pack``: as few nodes as possible (docs/deploy.md: when to choose which).
+PLACEMENTS = ("spread", "pair", "pack")
 STARTUP_TIMEOUT_S = 1800.0  # preparing the default pair on first use downloads ~1.6 GB
 DESCRIBE_TIMEOUT_S = 10.0
 PLACEMENT_TIMEOUT_S = 300.0  # resources in use elsewhere, or nodes an autoscaler is adding
@@ -59,6 +61,10 @@ class UpConfig:
     draft_cpus: float = 1.0
     target_replicas: int = 1
     draft_replicas: int = 1
+    # Ray custom resources per replica, e.g. {"disco_target": 1}: pins a role to the nodes (or
+    # KubeRay worker group) that advertise them (deploy/kuberay/raycluster.yaml).
+    target_resources: dict[str, float] = field(default_factory=dict)
+    draft_resources: dict[str, float] = field(default_factory=dict)
     placement: str = "spread"
     host: str | None = None  # None: each node's IP
     port: int = 50051
@@ -136,28 +142,62 @@ def up(config: UpConfig, home: Path, auth_token: str | None = None) -> dict:
         raise
 
 
+@dataclass(frozen=True)
+class _Replica:
+    role: str
+    index: int
+    cpus: float
+    gpus: float
+    resources: dict  # Ray custom resources
+    bundle: int  # its placement-group bundle
+
+    def demand(self) -> dict[str, float]:
+        return {"CPU": self.cpus, **({"GPU": self.gpus} if self.gpus else {}), **self.resources}
+
+
+def _replicas(config: UpConfig, cluster_has_gpus: bool) -> tuple[list[_Replica], list[dict[str, float]]]:
+    """The replicas to start and the placement-group bundles they go in: one bundle per
+    replica, or (``pair``) one per draft/target pair, holding both."""
+    if config.placement not in PLACEMENTS:
+        raise DiscoError(f"placement must be one of {', '.join(PLACEMENTS)}, got {config.placement!r}")
+    if config.placement == "pair" and config.target_replicas != config.draft_replicas:
+        raise DiscoError(f"placement pair puts draft i next to target i: it needs as many draft as target replicas "
+                         f"(got {config.draft_replicas} and {config.target_replicas})")
+    replicas, bundles = [], []
+    for role, count, cpus, gpus, resources in (
+            ("target", config.target_replicas, config.target_cpus, _gpus(config.target_gpus, cluster_has_gpus),
+             config.target_resources),
+            ("draft", config.draft_replicas, config.draft_cpus, _gpus(config.draft_gpus, cluster_has_gpus),
+             config.draft_resources)):
+        for index in range(count):
+            bundle = index if config.placement == "pair" else len(replicas)
+            replica = _Replica(role, index, cpus, gpus, dict(resources), bundle)
+            if bundle == len(bundles):
+                bundles.append({})
+            for key, amount in replica.demand().items():
+                bundles[bundle][key] = bundles[bundle].get(key, 0.0) + amount
+            replicas.append(replica)
+    return replicas, bundles
+
+
 def _deploy(config: UpConfig, auth_token: str | None) -> dict:
-    gpus = ray.cluster_resources().get("GPU", 0) > 0
-    roles = [("target", config.target_replicas, config.target_cpus, _gpus(config.target_gpus, gpus)),
-             ("draft", config.draft_replicas, config.draft_cpus, _gpus(config.draft_gpus, gpus))]
-    bundles, names = [], []
-    for role, replicas, cpus, role_gpus in roles:
-        for index in range(replicas):
-            bundles.append({"CPU": cpus, **({"GPU": role_gpus} if role_gpus else {})})
-            names.append((role, index, cpus, role_gpus))
-    strategy = _strategy(config.placement, bundles)
+    replicas, bundles = _replicas(config, ray.cluster_resources().get("GPU", 0) > 0)
+    strategy, note = _strategy(config.placement, bundles, ray.nodes())
+    if note:
+        logger.warning("%s", note)
     group = ray.util.placement_group(bundles, strategy=strategy, name=_group_name(config.namespace),
                                      lifetime="detached")
     _await_placement(group, bundles, strategy, config.placement_timeout_s)
     service = ray.remote(ModelService)
     handles = {}
-    for bundle_index, (role, index, cpus, role_gpus) in enumerate(names):
+    for replica in replicas:
+        role = replica.role
         model = {"spec": config.target if role == "target" else config.draft, "dtype": config.dtype,
-                 "device": "cuda" if role_gpus else "cpu"}
-        handles[replica_name(role, index)] = service.options(
-            name=replica_name(role, index), lifetime="detached", max_restarts=config.max_restarts,
-            num_cpus=cpus, num_gpus=role_gpus,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle_index),
+                 "device": "cuda" if replica.gpus else "cpu"}
+        handles[replica_name(role, replica.index)] = service.options(
+            name=replica_name(role, replica.index), lifetime="detached", max_restarts=config.max_restarts,
+            num_cpus=replica.cpus, num_gpus=replica.gpus, resources=replica.resources or None,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=replica.bundle),
         ).remote(role, model, config.host, {"max_sessions": config.max_sessions}, config.tls_paths(), config.metrics,
                  overlap=config.overlap and role == "draft")
     addresses = {name: _await(name, handle, config.startup_timeout_s) for name, handle in handles.items()}
@@ -171,7 +211,7 @@ def _deploy(config: UpConfig, auth_token: str | None) -> dict:
                  config.tls_require_client_cert, config.metrics, config.http_port)
         orchestrator = _await(ORCHESTRATOR_NAME, handle, config.startup_timeout_s)
         http = ray.get(handle.http_url.remote(), timeout=DESCRIBE_TIMEOUT_S)
-    return {"orchestrator": orchestrator, "http": http, "placement": strategy,
+    return {"orchestrator": orchestrator, "http": http, "placement": strategy, "placement_note": note,
             "target": [a for n, a in addresses.items() if n.startswith("target")],
             "draft": [a for n, a in addresses.items() if n.startswith("draft")]}
 
@@ -204,21 +244,39 @@ def _gpus(requested: float | None, cluster_has_gpus: bool) -> float:
     return requested if requested is not None else (1.0 if cluster_has_gpus else 0.0)
 
 
-def _strategy(placement: str, bundles: list[dict]) -> str:
-    """``spread``: STRICT_SPREAD when enough alive nodes can each hold the largest
-    bundle, else SPREAD (best effort); ``pack``: PACK."""
-    if placement not in PLACEMENTS:
-        raise DiscoError(f"placement must be one of {sorted(PLACEMENTS)}, got {placement!r}")
+def _strategy(placement: str, bundles: list[dict], nodes: list[dict]) -> tuple[str, str]:
+    """The Ray strategy for ``placement`` over ``bundles`` on ``nodes`` (``ray.nodes()``), and
+    a note when it is less than asked ("" otherwise). ``spread`` / ``pair``: STRICT_SPREAD
+    (every bundle on its own node) when the alive nodes can hold the bundles one per node,
+    else SPREAD (best effort); ``pack``: PACK."""
     if placement == "pack":
-        return "PACK"
-    largest = {key: max(b.get(key, 0) for b in bundles) for key in ("CPU", "GPU")}
-    fitting = [n for n in ray.nodes() if n["Alive"]
-               and all(n["Resources"].get(key, 0) >= amount for key, amount in largest.items())]
-    if len(fitting) >= len(bundles):
-        return "STRICT_SPREAD"
-    logger.warning("placement spread: %d service replicas but %d node(s) can host one; using SPREAD "
-                   "(best effort, replicas may share a node)", len(bundles), len(fitting))
-    return "SPREAD"
+        return "PACK", ""
+    hosted = _one_per_node(bundles, [node["Resources"] for node in nodes if node["Alive"]])
+    if hosted == len(bundles):
+        return "STRICT_SPREAD", ""
+    what = "draft/target pairs" if placement == "pair" else "service replicas"
+    return "SPREAD", (f"placement {placement}: {len(bundles)} {what} but the alive nodes can hold only {hosted} of "
+                      "them one per node; using SPREAD (best effort: some share a node, and a lost node takes "
+                      "all of them)")
+
+
+def _one_per_node(bundles: list[dict], nodes: list[dict]) -> int:
+    """How many of ``bundles`` fit on distinct nodes (``nodes``: their total resources):
+    a maximum bipartite matching, by augmenting paths (Kuhn's algorithm)."""
+    fits = [[n for n, resources in enumerate(nodes)
+             if all(resources.get(key, 0) >= amount for key, amount in bundle.items())] for bundle in bundles]
+    holder: dict[int, int] = {}  # node -> bundle
+
+    def place(bundle: int, seen: set[int]) -> bool:
+        for node in fits[bundle]:
+            if node not in seen:
+                seen.add(node)
+                if node not in holder or place(holder[node], seen):
+                    holder[node] = bundle
+                    return True
+        return False
+
+    return sum(place(bundle, set()) for bundle in range(len(bundles)))
 
 
 def _head_node_id() -> str:

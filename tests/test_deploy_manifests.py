@@ -9,6 +9,7 @@ constrain fields these manifests do not use (managedBy, deletionStrategy, GCS FT
 """
 
 import copy
+import json
 import re
 import shlex
 from pathlib import Path
@@ -97,10 +98,16 @@ def test_a_broken_manifest_fails_validation(validators, mutate, message):
 def test_the_gpu_workers_request_gpus_and_the_head_runs_no_services():
     cluster = by_kind("RayCluster")
     assert cluster["spec"]["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
-    (gpu,) = cluster["spec"]["workerGroupSpecs"]
-    (container,) = gpu["template"]["spec"]["containers"]
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert gpu["replicas"] >= 2  # draft and target on different pods (STRICT_SPREAD)
+    groups = {group["groupName"]: group for group in cluster["spec"]["workerGroupSpecs"]}
+    assert set(groups) == {"target", "draft"}  # one worker group per role, as tests/test_ray_multinode.py runs
+    for role, group in groups.items():
+        (container,) = group["template"]["spec"]["containers"]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert group["replicas"] >= 2  # one pod serving, one spare for a lost node's replica
+        advertised = json.loads(json.loads(group["rayStartParams"]["resources"]))  # KubeRay's quoted JSON
+        assert advertised == {f"disco_{role}": 1}
+        anti = group["template"]["spec"]["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert anti[0]["labelSelector"]["matchLabels"] == {"disco.dev/role": "gpu-worker"}  # one pod per node, both groups
     dockerfile = (REPO / "deploy" / "Dockerfile").read_text()
     assert f"ARG RAY_VERSION={cluster['spec']['rayVersion']}" in dockerfile  # image and cluster agree
 
@@ -112,6 +119,10 @@ def test_the_rayjob_runs_disco_up_on_the_cluster():
     assert argv[:2] == ["disco", "up"]
     args = build_parser().parse_args(argv[1:])  # every flag exists
     assert args.address == "auto" and args.no_orchestrator and args.placement == "spread"
+    groups = {group["groupName"]: group for group in cluster["spec"]["workerGroupSpecs"]}
+    for role in ("target", "draft"):  # each role asks for the resource its worker group advertises
+        (name,) = json.loads(json.loads(groups[role]["rayStartParams"]["resources"]))
+        assert getattr(args, f"{role}_resource") == [f"{name}=1"]
 
 
 def test_the_orchestrator_service_and_grpc_probes_point_at_its_grpc_and_http_ports():

@@ -40,9 +40,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             help=f"CPUs per {role} replica (default 1)")
         parser.add_argument(f"--{role}-replicas", type=int, default=1, metavar="N",
                             help=f"{role} service replicas (default 1)")
-    parser.add_argument("--placement", default="spread", choices=["spread", "pack"],
-                        help="spread: replicas on different nodes (STRICT_SPREAD when the cluster has enough "
-                             "nodes, else SPREAD); pack: together (PACK). Default spread")
+        parser.add_argument(f"--{role}-resource", action="append", default=[], metavar="NAME=N",
+                            help=f"a Ray custom resource each {role} replica needs, e.g. disco_{role}=1 (pins the "
+                                 "role to the nodes or KubeRay worker group that advertise it); repeatable")
+    parser.add_argument("--placement", default="spread", choices=["spread", "pair", "pack"],
+                        help="spread: every replica on its own node; pair: draft i on the node of target i, the "
+                             "pairs on different nodes (both: STRICT_SPREAD when the cluster has enough nodes, else "
+                             "SPREAD, and `up` says so); pack: together (PACK). Default spread")
     parser.add_argument("--host", default=None,
                         help="interface the services bind (default: each node's IP; 0.0.0.0 for all)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT,
@@ -124,6 +128,8 @@ def _run_up(args: argparse.Namespace) -> int:
     config = UpConfig(
         target=args.target, draft=args.draft, dtype=args.dtype, address=args.address, namespace=args.namespace,
         target_gpus=args.target_gpus, draft_gpus=args.draft_gpus, target_cpus=args.target_cpus,
+        target_resources=_resources(args.target_resource, "target"),
+        draft_resources=_resources(args.draft_resource, "draft"),
         draft_cpus=args.draft_cpus, target_replicas=args.target_replicas, draft_replicas=args.draft_replicas,
         placement=args.placement, host=args.host, port=args.port, orchestrator=not args.no_orchestrator,
         max_restarts=args.max_restarts, max_sessions=args.max_sessions, placement_timeout_s=args.placement_timeout,
@@ -136,6 +142,8 @@ def _run_up(args: argparse.Namespace) -> int:
     else:
         print(f"disco is up in Ray namespace {result['namespace']!r} ({result['ray_address']}, "
               f"placement {result['placement']})")
+        if result.get("placement_note"):
+            print(f"  note: {result['placement_note']}")
         print(f"  orchestrator  {result['orchestrator'] or '(not started)'}")
         if result.get("http"):
             print(f"  http          {result['http']} (OpenAI-compatible API)")
@@ -143,6 +151,22 @@ def _run_up(args: argparse.Namespace) -> int:
             print(f"  {role:<12}  {', '.join(result[role])}")
         print("`disco status` shows the actors, `disco down` stops everything.", flush=True)
     return 0
+
+
+def _resources(items: list[str], role: str) -> dict[str, float]:
+    """``["NAME=N", ...]`` -> ``{NAME: N}`` (``--target-resource`` / ``--draft-resource``)."""
+    resources = {}
+    for item in items:
+        name, _, amount = item.partition("=")
+        try:
+            value = float(amount)
+        except ValueError:
+            value = -1.0
+        if not name or value <= 0 or name in ("CPU", "GPU"):
+            raise DiscoError(f"--{role}-resource takes NAME=N with N > 0 and a custom resource name (CPU and GPU "
+                             f"have their own flags), got {item!r}")
+        resources[name] = value
+    return resources
 
 
 def _absolute(path: str | None) -> str | None:
@@ -184,7 +208,8 @@ def _run_status(args: argparse.Namespace) -> int:
     for actor in result["actors"]:
         resources = ", ".join(f"{k}={v:g}" for k, v in sorted(actor.get("resources", {}).items())) or "-"
         restarted = " (restarted)" if actor.get("restarted") else ""
-        print(f"  {actor['name']:<13} {actor.get('address', '-'):<22} node {actor.get('node_ip', '-'):<15} "
+        node = f"{actor.get('node_ip', '-')} {actor.get('node_id', '-')[:12]}"
+        print(f"  {actor['name']:<13} {actor.get('address', '-'):<22} node {node:<28} "
               f"[{resources}] {actor['health']}{restarted}{' tls' if actor.get('tls') else ''}"
               f"{' metrics ' + actor['metrics'] if actor.get('metrics') else ''}"
               f"{' http ' + actor['http'] if actor.get('http') else ''}")
