@@ -34,6 +34,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from deploy.ray_launcher import UpConfig, _replicas, _strategy, down, status, up  # noqa: E402
 from disco.config import SamplingParams, SpeculationConfig  # noqa: E402
 from disco.errors import DiscoError  # noqa: E402
+from disco.models.loading import disco_home  # noqa: E402
 from disco_cli.main import main  # noqa: E402
 from orchestrator.client import DiscoClient  # noqa: E402
 from tests.helpers import PROMPTS, local_generator  # noqa: E402
@@ -75,13 +76,13 @@ class MultiNode:
 
 
 @pytest.fixture(scope="module")
-def multinode(tmp_path_factory):
+def multinode():
     if ray.is_initialized():
         ray.shutdown()
     started = time.monotonic()
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "object_store_memory": 80 * 2**20, "_system_config": FAST_FAILURE_DETECTION})
-    deployment = MultiNode(cluster, {}, {}, tmp_path_factory.mktemp("ray_multinode_home"))
+    deployment = MultiNode(cluster, {}, {}, disco_home())  # where `disco up` (the CLI) records the deployment
     for role in ("target", "target", "draft", "draft"):
         deployment.add_node(role)
     cluster.wait_for_nodes()
@@ -127,12 +128,13 @@ def serving_on_new_node(deployment: MultiNode, name: str, old_node: str):
 
 def test_spread_puts_every_replica_on_its_own_node_of_its_worker_group(multinode, tiny_pair_dirs, capsys):
     started = time.monotonic()
-    multinode.info = up(UpConfig(
-        target=str(tiny_pair_dirs["target"]), draft=str(tiny_pair_dirs["draft"]), dtype="float32",
-        address=multinode.cluster.address, namespace=multinode.namespace, port=0, target_replicas=2,
-        placement="spread", target_resources=ROLE_RESOURCES["target"], draft_resources=ROLE_RESOURCES["draft"]),
-        multinode.home)
+    code = main(["up", "--address", multinode.cluster.address, "--namespace", multinode.namespace,
+                 "--target", str(tiny_pair_dirs["target"]), "--draft", str(tiny_pair_dirs["draft"]),
+                 "--dtype", "float32", "--port", "0", "--target-replicas", "2", "--placement", "spread",
+                 "--target-resource", "disco_target=1", "--draft-resource", "disco_draft=1", "--json"])
     multinode.timings["up_s"] = round(time.monotonic() - started, 1)
+    assert code == 0
+    multinode.info = json.loads(capsys.readouterr().out)
     assert multinode.info["placement"] == "STRICT_SPREAD" and not multinode.info["placement_note"]
     code = main(["status", "--address", multinode.cluster.address, "--namespace", multinode.namespace, "--json"])
     report = json.loads(capsys.readouterr().out)
