@@ -1,6 +1,7 @@
 """Builders shared by test modules."""
 
 import threading
+import time
 
 from disco.config import SamplingParams, SpeculationConfig
 from disco.engines.draft import DraftEngine
@@ -43,3 +44,26 @@ def generate_at_once(generator: SpeculativeGenerator, jobs, sampling: SamplingPa
     for thread in threads:
         thread.join(timeout=timeout_s)
     return results
+
+
+def target_only_tokens(target, tokenizer):
+    """``tokens(prompt, max_new_tokens)``: the target-only greedy token ids in process (what
+    every run, whatever the transport or policy, must produce)."""
+    generator = local_generator(target, None, tokenizer)
+
+    def tokens(prompt: str, max_new_tokens: int) -> list[int]:
+        params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+        return generator.generate(tokenizer(prompt)["input_ids"], params, SpeculationConfig(policy="none")).token_ids
+
+    return tokens
+
+
+def wait_until(condition, timeout_s: float, what: str = "condition", poll_s: float = 0.5):
+    """``condition()``'s first truthy value, polled every ``poll_s``; fails after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -11,7 +11,6 @@ one takes it down.
 """
 
 import json
-import time
 import urllib.error
 import urllib.request
 import uuid
@@ -27,10 +26,10 @@ use_token_auth(generate=True)  # before `import ray`: the local head uses Ray's 
 ray = pytest.importorskip("ray")
 
 from deploy.ray_launcher import UpConfig, down, status, up  # noqa: E402
-from disco.config import SamplingParams, SpeculationConfig  # noqa: E402
 from disco_cli.main import main  # noqa: E402
 from orchestrator.client import DiscoClient, DiscoRpcError  # noqa: E402
-from tests.helpers import PROMPTS, local_generator  # noqa: E402
+from tests import helpers  # noqa: E402
+from tests.helpers import PROMPTS, target_only_tokens  # noqa: E402
 from tests.pki import Authority  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -81,23 +80,11 @@ def deployment(tiny_pair_dirs, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(target_model, tokenizer):
     """Target-only greedy output per prompt and length: what every run must produce."""
-    generator = local_generator(target_model, None, tokenizer)
-
-    def tokens(prompt: str, max_new_tokens: int) -> list[int]:
-        params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
-        return generator.generate(tokenizer(prompt)["input_ids"], params, SpeculationConfig(policy="none")).token_ids
-
-    return tokens
+    return target_only_tokens(target_model, tokenizer)
 
 
 def wait_until(condition, timeout_s: float = RESTART_TIMEOUT_S, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
+    return helpers.wait_until(condition, timeout_s, what)
 
 
 def describe(deployment: Deployment, name: str) -> dict | None:

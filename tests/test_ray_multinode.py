@@ -32,12 +32,12 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from deploy.ray_launcher import UpConfig, _replicas, _strategy, down, status, up  # noqa: E402
-from disco.config import SamplingParams, SpeculationConfig  # noqa: E402
 from disco.errors import DiscoError  # noqa: E402
 from disco.models.loading import disco_home  # noqa: E402
 from disco_cli.main import main  # noqa: E402
 from orchestrator.client import DiscoClient  # noqa: E402
-from tests.helpers import PROMPTS, local_generator  # noqa: E402
+from tests import helpers  # noqa: E402
+from tests.helpers import PROMPTS, target_only_tokens  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -100,23 +100,11 @@ def multinode():
 
 @pytest.fixture(scope="module")
 def reference(target_model, tokenizer):
-    generator = local_generator(target_model, None, tokenizer)
-
-    def tokens(prompt: str, max_new_tokens: int) -> list[int]:
-        params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
-        return generator.generate(tokenizer(prompt)["input_ids"], params, SpeculationConfig(policy="none")).token_ids
-
-    return tokens
+    return target_only_tokens(target_model, tokenizer)
 
 
 def wait_until(condition, what: str, timeout_s: float = RECOVERY_TIMEOUT_S):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise AssertionError(f"timed out waiting for {what}")
+    return helpers.wait_until(condition, timeout_s, what, poll_s=0.25)
 
 
 def serving_on_new_node(deployment: MultiNode, name: str, old_node: str):
