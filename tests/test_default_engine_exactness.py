@@ -110,3 +110,34 @@ def test_a_packed_forward_that_changes_bits_turns_batching_off(target_model, tok
     expected = generator.generate(ids, sampling, SpeculationConfig(policy="none")).token_ids
     assert generate_at_once(generator, [(ids, "none")] * 4, sampling) == [expected] * 4
     assert set(generator.verifier.batcher.batch_sizes) == {1}
+
+
+def test_the_services_name_how_their_forwards_batch_in_info_and_metrics(default_engine, target_model, tokenizer):
+    """``Info.batching`` and ``disco_forward_batching_packed`` / ``_info``: packed where the
+    proof held (the default engine here), one by one where it did not."""
+    import copy  # noqa: PLC0415
+    import urllib.request  # noqa: PLC0415
+
+    import grpc  # noqa: PLC0415
+
+    import target_service.server  # noqa: PLC0415
+    from protos.disco.v1 import common_pb2, target_pb2_grpc  # noqa: PLC0415
+    from protos.runtime.metrics import sample_value  # noqa: PLC0415
+
+    broken = copy.deepcopy(target_model).to(torch.bfloat16)
+    broken.model.layers[0].mlp.down_proj = _RowCountDependent(broken.model.layers[0].mlp.down_proj)
+    broken_loaded = type(default_engine["target"])(
+        model=broken, tokenizer=tokenizer, name="tiny-broken", fingerprint="x", tokenizer_hash="x",
+        vocab_size=int(broken.config.vocab_size), eos_token_ids=(0,))
+    for loaded, packed in ((default_engine["target"], True), (broken_loaded, False)):
+        running = target_service.server.serve(loaded, metrics_port=0)
+        try:
+            with grpc.insecure_channel(running.address) as channel:
+                info = target_pb2_grpc.TargetServiceStub(channel).Info(common_pb2.ServiceInfoRequest(), timeout=10)
+            assert info.batching.startswith("packed" if packed else "one by one"), info.batching
+            with urllib.request.urlopen(f"http://{running.metrics_address}/metrics", timeout=10) as page:
+                text = page.read().decode()
+            assert sample_value(text, "disco_forward_batching_packed") == float(packed)
+            assert sample_value(text, "disco_forward_batching_info", {"detail": info.batching}) == 1
+        finally:
+            running.stop(0)
