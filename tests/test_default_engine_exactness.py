@@ -19,7 +19,8 @@ import torch
 from disco.config import SamplingParams, SpeculationConfig
 from disco.engines.kv import CachedSequence
 from disco.engines.packed_forward import supports_packing
-from disco.engines.packing_proof import PackingVerdict, prove_packing
+from disco.engines.batching import ForwardBatcher
+from disco.engines.packing_proof import PackingVerdict, prove_packing, verdict_for
 from tests.helpers import generate_at_once, local_generator
 
 SESSIONS = 16
@@ -79,6 +80,19 @@ def test_the_default_engine_proves_its_packed_forward_at_load(default_engine):
         verdict = prove_packing(loaded.model, SESSIONS)
         assert verdict.packed, verdict.detail
         assert "proven bit for bit" in verdict.detail or loaded.engine == "float32"
+
+
+def test_a_model_is_proven_once_per_batch_size_and_its_batchers_reuse_the_verdict(target_model, monkeypatch):
+    """A service proves at load, under the machine lock; its engine's batcher must not prove again."""
+    import copy  # noqa: PLC0415
+
+    from disco.engines import packing_proof  # noqa: PLC0415
+
+    model = copy.deepcopy(target_model).to(torch.bfloat16)
+    verdict = verdict_for(model, SESSIONS)
+    monkeypatch.setattr(packing_proof, "prove_packing", lambda *args: pytest.fail("proved twice"))
+    assert verdict_for(model, SESSIONS) is verdict
+    assert ForwardBatcher(model, SESSIONS).verdict is verdict
 
 
 class _RowCountDependent(torch.nn.Module):

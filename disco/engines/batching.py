@@ -32,7 +32,10 @@ import torch
 
 from disco.engines.kv import CachedSequence
 from disco.engines.packed_forward import supports_packing
-from disco.engines.packing_proof import PackingVerdict, prove_packing
+from disco.engines.packing_proof import PackingVerdict, verdict_for
+
+#: Sessions one packed forward holds at most (the engines' default; the load-time proof's size).
+DEFAULT_MAX_BATCH = 16
 
 
 @dataclass
@@ -53,11 +56,11 @@ class ForwardBatcher:
     of its own, so nothing to start or stop.
     """
 
-    def __init__(self, model: torch.nn.Module, max_batch: int = 16, max_wait_s: float = 0.02,
+    def __init__(self, model: torch.nn.Module, max_batch: int = DEFAULT_MAX_BATCH, max_wait_s: float = 0.02,
                  wait_fraction: float = 0.05) -> None:
         self.model = model
         # Packed only where the model supports it and this machine proves it exact; else one by one.
-        self.verdict = (prove_packing(model, max(1, max_batch)) if supports_packing(model)
+        self.verdict = (verdict_for(model, max(1, max_batch)) if supports_packing(model)
                         else PackingVerdict(False, "one by one (the model has no packed forward)"))
         self.packed = self.verdict.packed
         self.max_batch = max(1, max_batch) if self.packed else 1

@@ -16,7 +16,7 @@ from typing import Iterator, Sequence
 import torch
 
 from disco.config import SamplingParams
-from disco.engines.batching import ForwardBatcher
+from disco.engines.batching import DEFAULT_MAX_BATCH, ForwardBatcher
 from disco.engines.kv import CachedSequence
 from disco.engines.predraft import Predraft, can_predraft
 from disco.engines.sessions import SessionLimits, SessionStore
@@ -65,7 +65,7 @@ class DraftEngine:
         model: torch.nn.Module,
         policy_factory: PolicyFactory,
         limits: SessionLimits = SessionLimits(),
-        max_batch: int = 16,
+        max_batch: int = DEFAULT_MAX_BATCH,
         overlap: bool = False,
     ) -> None:
         """``overlap``: pre-draft the next block while the last one is verified (the

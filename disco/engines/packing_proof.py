@@ -10,7 +10,11 @@ same logits bit for bit. Where they do not, the engine runs forwards one by one 
 under load, still exact) and says so (log, ``Info.batching``, ``/metrics``).
 
 Sessions start from one token (nothing to prefill), so the check costs one forward per
-session plus one packed forward (about 3 s for the 1.5B bf16 target on a 2-core CPU).
+session plus one packed forward (about 4 s for the 1.5B bf16 target on a 2-core CPU, if
+nothing else runs: next to another service's model load it took 20-55 s). So the verdict
+is kept per model (:func:`verdict_for`): a service proves it while it holds the machine's
+measurement lock at load (``disco target-server``, ``disco draft-server``), and its
+batcher reuses it.
 Float32 models are not checked: their batched rows differ from solo rows by ~1e-6 on some
 CPUs (float32 GEMMs are not row-invariant there), far below a flip, and the float32
 exactness tests cover them.
@@ -44,6 +48,16 @@ class PackingVerdict:
 
     packed: bool
     detail: str
+
+
+def verdict_for(model: torch.nn.Module, sessions: int) -> PackingVerdict:
+    """:func:`prove_packing` once per model and batch size (the verdict is kept on the model)."""
+    verdicts = getattr(model, "_disco_packing_verdicts", None)
+    if verdicts is None:
+        verdicts = model._disco_packing_verdicts = {}
+    if sessions not in verdicts:
+        verdicts[sessions] = prove_packing(model, sessions)
+    return verdicts[sessions]
 
 
 def prove_packing(model: torch.nn.Module, sessions: int, seed: int = 0) -> PackingVerdict:

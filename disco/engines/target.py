@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 
 from disco.config import SamplingParams
-from disco.engines.batching import ForwardBatcher
+from disco.engines.batching import DEFAULT_MAX_BATCH, ForwardBatcher
 from disco.engines.kv import CachedSequence
 from disco.engines.sessions import SessionLimits, SessionStore
 from disco.errors import InvalidRequest
@@ -29,7 +29,7 @@ class TargetSession:
 class TargetEngine:
     """Implements :class:`disco.interfaces.Verifier` over a local HF causal LM."""
 
-    def __init__(self, model: torch.nn.Module, limits: SessionLimits = SessionLimits(), max_batch: int = 16) -> None:
+    def __init__(self, model: torch.nn.Module, limits: SessionLimits = SessionLimits(), max_batch: int = DEFAULT_MAX_BATCH) -> None:
         self.model = model
         self.vocab_size = int(model.config.vocab_size)
         self.max_context = int(getattr(model.config, "max_position_embeddings", 1 << 30))

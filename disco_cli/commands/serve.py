@@ -128,7 +128,7 @@ def _run_backend(args: argparse.Namespace) -> int:
 
     import draft_service.server  # noqa: PLC0415 - grpc and torch are imported only when used
     import target_service.server  # noqa: PLC0415
-    from disco.models.loading import disco_home, load_model  # noqa: PLC0415
+    from disco.models.loading import disco_home  # noqa: PLC0415
     from protos.runtime.server import serve_until_signal  # noqa: PLC0415
     from protos.runtime.tls import TlsFiles  # noqa: PLC0415
 
@@ -140,10 +140,7 @@ def _run_backend(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     config = ModelConfig(spec=args.model, dtype=dtype_from_args(args, args.role), device=args.device)
     config.validate()
-    if args.no_engine_costs:
-        loaded, costs = load_model(config, args.role, disco_home()), None
-    else:
-        loaded, costs = _load_and_measure(config, args.role)
+    loaded, costs = _load_and_measure(config, args.role, measure=not args.no_engine_costs)
     limits = SessionLimits(max_sessions=args.max_sessions, idle_ttl_s=args.idle_ttl)
     options = dict(host=args.host, port=args.port, limits=limits, max_prompt_tokens=args.max_prompt_tokens or None,
                    tls=tls, metrics_port=args.metrics_port, forward_s=costs.forward_s if costs else ())
@@ -161,18 +158,24 @@ def _run_backend(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_and_measure(config: ModelConfig, role: str):
-    """Load the model and its measured forward costs (cached; measured on the first start):
-    the target's over 1..9 new tokens, the draft's per token (``None`` if measuring fails).
+def _load_and_measure(config: ModelConfig, role: str, measure: bool = True):
+    """Load the model, prove its packed forward (:mod:`disco.engines.packing_proof`) and, with
+    ``measure``, its forward costs (cached; measured on the first start): the target's over
+    1..9 new tokens, the draft's per token (``None`` if measuring fails or not asked).
 
-    Both under the machine's measurement lock, so that one service's measurement never
-    runs next to another's model load (``disco serve`` starts both at once)."""
+    All under the machine's measurement lock, so that one service's timings never run next
+    to another's model load (``disco serve`` starts both at once)."""
     from disco.engines import engine_costs  # noqa: PLC0415
+    from disco.engines.batching import DEFAULT_MAX_BATCH  # noqa: PLC0415
+    from disco.engines.packing_proof import verdict_for  # noqa: PLC0415
     from disco.models.loading import disco_home, load_model  # noqa: PLC0415
 
     home = disco_home()
     with engine_costs.machine_lock(home):
         loaded = load_model(config, role, home)
+        verdict_for(loaded.model, DEFAULT_MAX_BATCH)
+        if not measure:
+            return loaded, None
         try:
             costs = engine_costs.measure_loaded(loaded, config, role, home, progress=False, lock=False)
         except (DiscoError, RuntimeError) as error:  # NOTE: serving matters more than the numbers
