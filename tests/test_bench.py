@@ -89,6 +89,28 @@ def test_bench_concurrency_reports_the_identical_rate_at_every_level(tiny_pair_d
     assert "| identical |" in capsys.readouterr().out
 
 
+def test_bench_concurrency_puts_policies_side_by_side_per_level(tiny_pair_dirs, tmp_path, capsys):
+    """``--policies``: every policy at every level in one run, interleaved per level; each row
+    names its policy and level, with latency percentiles and the ratio to ``none``."""
+    out = tmp_path / "concurrency.json"
+    code = main(["bench-concurrency", "--target", str(tiny_pair_dirs["target"]), "--draft",
+                 str(tiny_pair_dirs["draft"]), "--dtype", "float32", "--levels", "1,3", "--policies",
+                 "none,static:3", "--max-new-tokens", "6", "--json-out", str(out)])
+    assert code == 0
+    payload = json.loads(out.read_text())
+    assert payload["policies"] == ["none", "static:3"] and payload["identical_alone"] == {"none": 1.0, "static:3": 1.0}
+    assert [(row["policy"], row["concurrency"]) for row in payload["rows"]] == [
+        ("none", 1), ("static:3", 1), ("none", 3), ("static:3", 3)]
+    for row in payload["rows"]:
+        assert row["identical"] == 1.0 and row["errors"] == 0 and row["tokens"] == 6 * row["concurrency"]
+        assert 0 < row["latency_p50_s"] <= row["latency_p95_s"] <= row["wall_s"] + 1e-3
+        expected = row["tokens_per_s"] / next(r["tokens_per_s"] for r in payload["rows"]
+                                              if r["policy"] == "none" and r["concurrency"] == row["concurrency"])
+        assert row["vs_none"] == pytest.approx(expected, abs=1e-3)
+    assert "| policy | concurrency |" in capsys.readouterr().out
+    assert main(["bench-concurrency", "--policies", "none,nonsense:3", "--levels", "1"]) == 2  # refused first
+
+
 def test_bench_puts_overlap_off_and_on_side_by_side(tiny_pair_dirs, tiny_dataset, tmp_path):
     out = tmp_path / "bench.json"
     code = main(["bench", "--target", str(tiny_pair_dirs["target"]), "--draft", str(tiny_pair_dirs["draft"]),
