@@ -145,13 +145,14 @@ def _probe_call(module: nn.Module) -> tuple[RowCall, torch.Tensor]:
         inputs, weight, bias = cancelling_inputs(PLANS[0].max_rows, module.out_features, module.in_features,
                                                  dtype)
         probe = type(module).from_weight(weight, bias if module.bias is not None else None, dtype)
-        probe.to(module.bias.device if module.bias is not None else next(module.buffers()).device)
-        return probe._quantized, inputs.to(dtype)
+        device = next(module.buffers()).device
+        return probe.to(device)._quantized, inputs.to(dtype=dtype, device=device)
     dtype, device = module.weight.dtype, module.weight.device
     inputs, weight, bias = cancelling_inputs(PLANS[0].max_rows, module.out_features, module.in_features, dtype)
     weight, bias = weight.to(dtype=dtype, device=device), bias.to(dtype=dtype, device=device)
     has_bias = module.bias is not None
-    return (lambda rows: nn.functional.linear(rows, weight, bias if has_bias else None)), inputs.to(dtype)
+    return (lambda rows: nn.functional.linear(rows, weight, bias if has_bias else None)), inputs.to(dtype=dtype,
+                                                                                                 device=device)
 
 
 def _stabilizable(module: nn.Module) -> bool:
