@@ -11,7 +11,12 @@ Timings go through the engines' own forward path (:class:`disco.engines.kv.Cache
 prefill the context once, then for each k append k tokens, forward them, and roll the
 cache back. Every k is timed ``repeats`` times round-robin (a burst of load from other
 processes then hits one timing of several k rather than every timing of one k) after a
-warm-up round, and the median is kept. A file lock keeps two processes of one machine
+warm-up round, and a low percentile (:data:`LOW_PERCENTILE`) is kept: another process on
+the cores only makes forwards slower. A measurement taken under contention — the load
+average at or above the core count, or repeats of one size spread by
+:data:`CONTENDED_SPREAD` or more — is cached as *provisional* and measured again at a later
+start on a quiet machine (issue 29: a busy first start had cached 1,548 ms per draft
+token for a 25 ms draft, and ``auto`` then stopped speculating). A file lock keeps two processes of one machine
 (``disco serve`` starts the draft and the target together) from measuring at once.
 """
 
@@ -26,7 +31,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import torch
 from tqdm import tqdm
@@ -44,12 +49,18 @@ DEFAULT_REPEATS = 5
 DEFAULT_TARGET_TOKENS = 9
 #: The draft's per-token cost is a one-token forward.
 DEFAULT_DRAFT_TOKENS = 1
+#: The percentile of a size's repeats that is kept: a low one, since another process on the
+#: cores only ever makes a forward slower (a busy first start must not set the costs).
+LOW_PERCENTILE = 20
+#: A measurement whose repeats of one size spread by more than this (slowest / fastest,
+#: the median over sizes) was taken on shared cores: it is provisional.
+CONTENDED_SPREAD = 1.5
 
 
 @dataclass(frozen=True)
 class CostRequest:
     """What to measure: forwards over ``1..max_new_tokens`` new tokens after
-    ``context_tokens`` tokens of context, each the median of ``repeats`` timings."""
+    ``context_tokens`` tokens of context, each a low percentile of ``repeats`` timings."""
 
     max_new_tokens: int = DEFAULT_TARGET_TOKENS
     context_tokens: int = DEFAULT_CONTEXT_TOKENS
@@ -87,11 +98,14 @@ class EngineCosts:
         context_tokens: tokens in the KV cache before each timed forward.
         forward_s: ``forward_s[k - 1]``: seconds of one forward over ``k`` new tokens.
         prefill_s: seconds of the forward that filled the context (one timing).
-        repeats: timings per point (the median is kept).
+        repeats: timings per point (a low percentile is kept, :data:`LOW_PERCENTILE`).
         torch_version: torch that ran them.
         measured_at: unix time of the measurement.
         load_average: the machine's 1-minute load average when the measurement began (other
             processes on the cores inflate the timings; compare with the core count).
+        spread: slowest / fastest repeat of one size, the median over sizes (1.0: steady).
+        provisional: taken under contention (load average >= cores, or ``spread`` >=
+            :data:`CONTENDED_SPREAD`): measured again at a later start on a quiet machine.
     """
 
     model: str
@@ -106,6 +120,8 @@ class EngineCosts:
     torch_version: str
     measured_at: float
     load_average: float = 0.0
+    spread: float = 1.0
+    provisional: bool = False
 
     @property
     def per_token_s(self) -> float:
@@ -145,7 +161,8 @@ class EngineCosts:
                 device=str(data["device"]), threads=int(data["threads"]), context_tokens=int(data["context_tokens"]),
                 forward_s=tuple(float(v) for v in data["forward_s"]), prefill_s=float(data["prefill_s"]),
                 repeats=int(data["repeats"]), torch_version=str(data["torch_version"]),
-                measured_at=float(data["measured_at"]), load_average=float(data.get("load_average", 0.0)))
+                measured_at=float(data["measured_at"]), load_average=float(data.get("load_average", 0.0)),
+                spread=float(data.get("spread", 1.0)), provisional=bool(data.get("provisional", False)))
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise InvalidRequest(f"malformed engine costs: {error}") from None
         if not costs.forward_s or any(v <= 0 for v in costs.forward_s):
@@ -153,21 +170,35 @@ class EngineCosts:
         return costs
 
 
-def measure_forward_costs(model: torch.nn.Module, request: CostRequest, progress: bool = True,
-                          label: str = "") -> tuple[tuple[float, ...], float]:
-    """Time forwards of ``model`` over 1..``request.max_new_tokens`` new tokens.
+class ForwardTimings(NamedTuple):
+    """What :func:`measure_forward_costs` measured."""
 
-    Returns:
-        ``(forward_s, prefill_s)``: the median seconds per number of new tokens, and the
-        seconds of the context prefill.
-    """
+    forward_s: tuple[float, ...]  # forward_s[k - 1]: a low percentile of the forwards over k new tokens
+    prefill_s: float  # the context's prefill (one timing)
+    spread: float  # slowest / fastest repeat of one size, the median over sizes
+
+
+def measure_forward_costs(model: torch.nn.Module, request: CostRequest, progress: bool = True,
+                          label: str = "") -> ForwardTimings:
+    """Time forwards of ``model`` over 1..``request.max_new_tokens`` new tokens (each size
+    :data:`LOW_PERCENTILE`-th percentile of its repeats, see :func:`low_percentile`)."""
     sizes = range(1, request.max_new_tokens + 1)
-    medians, prefill_s = time_forwards(model, request.context_tokens, sizes, request.repeats, progress, label)
-    return tuple(medians[k] for k in sizes), prefill_s
+    samples, prefill_s = time_forwards(model, request.context_tokens, sizes, request.repeats, progress, label)
+    return ForwardTimings(tuple(low_percentile(samples[k]) for k in sizes), prefill_s,
+                          statistics.median(max(samples[k]) / min(samples[k]) for k in sizes))
+
+
+def low_percentile(values: Sequence[float], percent: float = LOW_PERCENTILE) -> float:
+    """The ``percent``-th percentile of ``values`` (linear interpolation between order statistics)."""
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * percent / 100
+    below = int(position)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
 
 
 def time_forwards(model: torch.nn.Module, context_tokens: int, sizes: Sequence[int], repeats: int,
-                  progress: bool = False, label: str = "") -> tuple[dict[int, float], float]:
+                  progress: bool = False, label: str = "") -> tuple[dict[int, list[float]], float]:
     """The one timing harness: the engines' own forward path (:class:`CachedSequence`)
     after ``context_tokens`` tokens of a fixed synthetic context, one forward over ``k``
     new tokens per ``k`` in ``sizes``, rolled back after each timing; ``repeats`` rounds
@@ -175,7 +206,7 @@ def time_forwards(model: torch.nn.Module, context_tokens: int, sizes: Sequence[i
     then hits one timing of several sizes rather than every timing of one size).
 
     Returns:
-        ``({k: median seconds}, prefill seconds of the context)``.
+        ``({k: seconds of each repeat}, prefill seconds of the context)``.
     """
     from disco.engines.kv import CachedSequence  # noqa: PLC0415 - transformers only when measuring
 
@@ -201,7 +232,7 @@ def time_forwards(model: torch.nn.Module, context_tokens: int, sizes: Sequence[i
                 if round_index:
                     samples[k].append(elapsed)
                 bar.update(1)
-    return {k: statistics.median(values) for k, values in samples.items()}, prefill_s
+    return samples, prefill_s
 
 
 def measure_cost_model(target_model: torch.nn.Module, draft_model: torch.nn.Module, max_k: int = 12,
@@ -214,7 +245,7 @@ def measure_cost_model(target_model: torch.nn.Module, draft_model: torch.nn.Modu
     ks = sorted(set(ks if ks is not None else range(max_k + 1)) | {0})
     draft, _ = time_forwards(draft_model, prompt_len, (1,), repeats)
     target, _ = time_forwards(target_model, prompt_len, [k + 1 for k in ks], repeats)
-    measured = {k: target[k + 1] for k in ks}
+    measured = {k: statistics.median(target[k + 1]) for k in ks}
     t_verify = []
     for k in range(max(ks) + 1):
         if k in measured:
@@ -223,7 +254,7 @@ def measure_cost_model(target_model: torch.nn.Module, draft_model: torch.nn.Modu
             lo = max(j for j in measured if j < k)
             hi = min(j for j in measured if j > k)
             t_verify.append(measured[lo] + (measured[hi] - measured[lo]) * (k - lo) / (hi - lo))
-    return CostModel.from_forward_costs((draft[1],), t_verify, rtt, source,
+    return CostModel.from_forward_costs((statistics.median(draft[1]),), t_verify, rtt, source,
                                         extra={"repeats": repeats, "prompt_len": prompt_len, "timed_k": ks})
 
 
@@ -280,11 +311,17 @@ def load_or_measure(model: torch.nn.Module, *, name: str, fingerprint: str, engi
         if load_average >= (os.cpu_count() or 1):  # NOTE: this process's own model load counts too
             logger.warning("the load average is %.1f: other processes share the cores, so the measured costs "
                            "may be too high (measure again with `disco models calibrate --force`)", load_average)
-        forward_s, prefill_s = measure_forward_costs(model, request, progress, label=f"{name} ({engine})")
+        timings = measure_forward_costs(model, request, progress, label=f"{name} ({engine})")
+        provisional = load_average >= (os.cpu_count() or 1) or timings.spread >= CONTENDED_SPREAD
         costs = EngineCosts(model=name, fingerprint=fingerprint, engine=engine, device=device, threads=threads,
-                            context_tokens=request.context_tokens, forward_s=forward_s, prefill_s=prefill_s,
-                            repeats=request.repeats, torch_version=torch.__version__, measured_at=time.time(),
-                            load_average=load_average)
+                            context_tokens=request.context_tokens, forward_s=timings.forward_s,
+                            prefill_s=timings.prefill_s, repeats=request.repeats, torch_version=torch.__version__,
+                            measured_at=time.time(), load_average=load_average, spread=round(timings.spread, 3),
+                            provisional=provisional)
+        if provisional:
+            logger.warning("the measured costs of %s are provisional (load average %.1f, repeats spread %.2fx): "
+                           "they are measured again at a start on a quiet machine", name, load_average,
+                           timings.spread)
         path = costs_path(*key)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -311,14 +348,16 @@ def measure_loaded(loaded, config, role: str, home: Path, **options) -> EngineCo
 
 
 def _worth_remeasuring(cached: EngineCosts) -> bool:
-    """Whether ``cached`` was taken on an overloaded machine that is much quieter now.
+    """Whether ``cached`` was taken under contention (provisional, or an overloaded machine)
+    and the machine is quiet now (load average below half its cores).
 
     NOTE: with two processes of 2 threads each on 2 cores, a bf16 draft step measured
     1.1-1.6 s instead of ~0.1 s (every op waits for a descheduled thread); such a record
     must not stand for the engine forever.
     """
     cores = os.cpu_count() or 1
-    return cached.load_average >= cores and _load_average() < cached.load_average / 2
+    contended = cached.provisional or cached.load_average >= cores
+    return contended and _load_average() < max(cached.load_average, cores) / 2
 
 
 def _load_average() -> float:
@@ -345,7 +384,8 @@ def format_costs_table(rows: dict[str, EngineCosts]) -> str:
                      f"{costs.prefill_s * 1000:>11.0f}{cells}")
     first = next(iter(rows.values()))
     lines.append(f"ms per forward over k new tokens after a {first.context_tokens}-token context "
-                 f"(median of {first.repeats}; prefill: the context, ms); {first.device}; load average "
+                 f"({LOW_PERCENTILE}th percentile of {first.repeats}; prefill: the context, ms); {first.device}; "
+                 "load average "
                  + ", ".join(f"{costs.load_average:g}" for costs in rows.values()) + " when measured")
     return "\n".join(lines)
 
