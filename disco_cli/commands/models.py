@@ -47,7 +47,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                            help="draft forwards over 1..N new tokens are timed (default 1: the per-token cost)")
     calibrate.add_argument("--context-tokens", type=int, default=200,
                            help="tokens in the KV cache before each timed forward (default 200)")
-    calibrate.add_argument("--repeats", type=int, default=5, help="timings per point; the median is kept (default 5)")
+    calibrate.add_argument("--repeats", type=int, default=5,
+                           help="timings per point; a low percentile is kept (default 5)")
     calibrate.add_argument("--force", action="store_true", help="measure again even when cached")
     calibrate.add_argument("--quiet", action="store_true", help="no progress bars or log lines")
     calibrate.set_defaults(func=_calibrate)
