@@ -93,6 +93,10 @@ def test_a_model_is_proven_once_per_batch_size_and_its_batchers_reuse_the_verdic
     monkeypatch.setattr(packing_proof, "prove_packing", lambda *args: pytest.fail("proved twice"))
     assert verdict_for(model, SESSIONS) is verdict
     assert ForwardBatcher(model, SESSIONS).verdict is verdict
+    monkeypatch.undo()
+    copied = copy.deepcopy(model)  # carries the cache along, but is another model: proves itself
+    copied.model.layers[0].mlp.down_proj = _RowCountDependent(copied.model.layers[0].mlp.down_proj)
+    assert not verdict_for(copied, SESSIONS).packed and verdict_for(model, SESSIONS) is verdict
 
 
 class _RowCountDependent(torch.nn.Module):

@@ -51,13 +51,17 @@ class PackingVerdict:
 
 
 def verdict_for(model: torch.nn.Module, sessions: int) -> PackingVerdict:
-    """:func:`prove_packing` once per model and batch size (the verdict is kept on the model)."""
+    """:func:`prove_packing` once per model and batch size (the verdict is kept on the model).
+
+    NOTE: keyed by the model object's id and weight dtype too: a ``deepcopy`` (then perhaps
+    cast or changed) carries the dict along but is another model, so it proves itself."""
     verdicts = getattr(model, "_disco_packing_verdicts", None)
     if verdicts is None:
         verdicts = model._disco_packing_verdicts = {}
-    if sessions not in verdicts:
-        verdicts[sessions] = prove_packing(model, sessions)
-    return verdicts[sessions]
+    key = (id(model), sessions, model.get_input_embeddings().weight.dtype)
+    if key not in verdicts:
+        verdicts[key] = prove_packing(model, sessions)
+    return verdicts[key]
 
 
 def prove_packing(model: torch.nn.Module, sessions: int, seed: int = 0) -> PackingVerdict:
