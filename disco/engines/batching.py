@@ -31,8 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from disco.engines.kv import CachedSequence
-from disco.engines.packed_forward import supports_packing
-from disco.engines.packing_proof import PackingVerdict, verdict_for
+from disco.engines.packing_proof import verdict_for
 
 #: Sessions one packed forward holds at most (the engines' default; the load-time proof's size).
 DEFAULT_MAX_BATCH = 16
@@ -60,8 +59,7 @@ class ForwardBatcher:
                  wait_fraction: float = 0.05) -> None:
         self.model = model
         # Packed only where the model supports it and this machine proves it exact; else one by one.
-        self.verdict = (verdict_for(model, max(1, max_batch)) if supports_packing(model)
-                        else PackingVerdict(False, "one by one (the model has no packed forward)"))
+        self.verdict = verdict_for(model, max(1, max_batch))
         self.packed = self.verdict.packed
         self.max_batch = max(1, max_batch) if self.packed else 1
         self.max_wait_s = max_wait_s

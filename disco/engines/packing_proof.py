@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from disco.engines.kv import CachedSequence
+from disco.engines.packed_forward import supports_packing
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,8 @@ def verdict_for(model: torch.nn.Module, sessions: int) -> PackingVerdict:
         verdicts = model._disco_packing_verdicts = {}
     key = (id(model), sessions, model.get_input_embeddings().weight.dtype)
     if key not in verdicts:
-        verdicts[key] = prove_packing(model, sessions)
+        verdicts[key] = (prove_packing(model, sessions) if supports_packing(model)
+                         else PackingVerdict(False, "one by one (the model has no packed forward)"))
     return verdicts[key]
 
 
