@@ -17,6 +17,8 @@ instead of Ray's ~15-25 s default, so that the suite stays short.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -29,6 +31,7 @@ from deploy.ray_head import use_token_auth  # noqa: E402 - imports no ray
 use_token_auth(generate=True)  # as tests/test_ray_deploy.py: the same process may run both
 ray = pytest.importorskip("ray")
 
+from ray._private import ray_constants  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from deploy.ray_launcher import UpConfig, _replicas, _strategy, down, status, up  # noqa: E402
@@ -66,13 +69,41 @@ class MultiNode:
         return node.node_id
 
     def remove_node(self, node_id: str) -> None:
-        self.cluster.remove_node(self.nodes.pop(node_id), allow_graceful=False)
+        """The node goes away as a machine does: its worker processes (the actors, their
+        gRPC servers) are killed in the same instant as its raylet. Ray's ``remove_node``
+        alone kills only the raylet; its workers notice later and meanwhile go on serving
+        over gRPC (seen in CI: a whole streamed request finished on a "lost" node)."""
+        node = self.nodes.pop(node_id)
+        raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+        os.kill(raylet, signal.SIGSTOP)  # no new workers while we collect them
+        for pid in _descendants(raylet):
+            os.kill(pid, signal.SIGKILL)
+        self.cluster.remove_node(node, allow_graceful=False)
 
     def actors(self) -> dict[str, dict]:
         return {actor["name"]: actor for actor in status(self.cluster.address, self.namespace, self.home)["actors"]}
 
     def client(self) -> DiscoClient:
         return DiscoClient(self.info["orchestrator"], timeout=RECOVERY_TIMEOUT_S)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (from /proc: children first found, then theirs)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            parents.setdefault(parent, []).append(int(entry.name))
+    found, frontier = [], [pid]
+    while frontier:
+        children = parents.get(frontier.pop(), [])
+        found.extend(children)
+        frontier.extend(children)
+    return found
 
 
 @pytest.fixture(scope="module")
