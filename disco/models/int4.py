@@ -90,19 +90,23 @@ class Int4Linear(WeightOnlyLinear):
         return torch._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_and_zeros)
 
     def _dense(self, rows: torch.Tensor) -> torch.Tensor:  # rows: [n, in_features] -> [n, out_features]
-        return chunked_gemm(rows, self.out_features, self._dense_slice).to(rows.dtype)
+        return chunked_gemm(rows, self.out_features, self._fill_dense_slice).to(rows.dtype)
 
-    def _dense_slice(self, start: int, end: int) -> torch.Tensor:
-        """Float32 weights of output channels ``start:end``, ``[end - start, in_features]``."""
+    def _fill_dense_slice(self, start: int, end: int, buffer: torch.Tensor) -> None:
+        """Write the float32 weights of output channels ``start:end`` into ``buffer``
+        ``[end - start, in_features]``, in place: ``(q - 8) * scale + zero`` per group."""
         groups = self.in_features // self.group_size
         scales = self.scales_and_zeros[:, start:end, 0].T.float()  # [channels, groups]
         zeros = self.scales_and_zeros[:, start:end, 1].T.float()
-        centered = self.centered[start:end].float().view(end - start, groups, self.group_size)
-        return (centered * scales[..., None] + zeros[..., None]).view(end - start, self.in_features)
+        buffer.copy_(self.centered[start:end])
+        grouped = buffer.view(end - start, groups, self.group_size)
+        grouped.mul_(scales[..., None]).add_(zeros[..., None])
 
     def dequantized(self) -> torch.Tensor:
         """The weight the layer effectively multiplies by, ``[out_features, in_features]`` float32."""
-        return self._dense_slice(0, self.out_features)
+        weights = torch.empty(self.out_features, self.in_features, dtype=torch.float32, device=self.packed.device)
+        self._fill_dense_slice(0, self.out_features, weights)
+        return weights
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -96,7 +96,7 @@ class Int8Linear(WeightOnlyLinear):
     def _dense(self, rows: torch.Tensor) -> torch.Tensor:  # rows: [n, in_features] -> [n, out_features]
         """A prefill block: float32 GEMMs over the int8 weights converted a slice of output
         channels at a time (the slice stays in cache), scaled per output channel."""
-        out = chunked_gemm(rows, self.out_features, lambda start, end: self.weight[start:end].float())
+        out = chunked_gemm(rows, self.out_features, lambda start, end, buffer: buffer.copy_(self.weight[start:end]))
         return (out * self.scales.float()).to(rows.dtype)
 
     def dequantized(self) -> torch.Tensor:

@@ -69,15 +69,20 @@ def split_rows(rows: torch.Tensor,  # [n, in_features]
 
 def chunked_gemm(rows: torch.Tensor,  # [n, in_features], any float dtype
                  out_features: int,
-                 weight_slice: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+                 fill_slice: Callable[[int, int, torch.Tensor], None]) -> torch.Tensor:
     """``rows @ W^T`` in float32, ``W`` given a slice of output channels at a time:
-    ``weight_slice(start, end)`` returns ``W[start:end]`` as float32 ``[end - start, in_features]``.
-    Returns float32 ``[n, out_features]``."""
+    ``fill_slice(start, end, buffer)`` writes ``W[start:end]`` as float32 into ``buffer``
+    ``[end - start, in_features]`` (one buffer reused for every slice: converting in place
+    instead of through temporaries made an int4 prefill GEMM of 200 rows 1.4x faster on an
+    AVX2 CPU, docs/engines.md). Returns float32 ``[n, out_features]``."""
     inputs = rows.float()
     out = torch.empty(rows.shape[0], out_features, dtype=torch.float32, device=rows.device)
+    buffer = torch.empty(min(DENSE_CHUNK, out_features), rows.shape[1], dtype=torch.float32, device=rows.device)
     for start in range(0, out_features, DENSE_CHUNK):
         end = min(start + DENSE_CHUNK, out_features)
-        out[:, start:end] = inputs @ weight_slice(start, end).T
+        weights = buffer[:end - start]
+        fill_slice(start, end, weights)
+        out[:, start:end] = inputs @ weights.T
     return out
 
 
