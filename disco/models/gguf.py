@@ -74,7 +74,8 @@ def convert_gguf(
     except Exception as error:  # noqa: BLE001 -- NOTE: the gguf reader raises anything on a bad file
         shutil.rmtree(tmp, ignore_errors=True)
         raise ModelError(f"could not convert {gguf_path}: {first_line(error)}") from error
-    source = {"gguf_file": gguf_path.name, "gguf_sha256": sha256, "gguf_size": gguf_path.stat().st_size}
+    source = {"gguf_file": gguf_path.name, "gguf_sha256": sha256, "gguf_size": gguf_path.stat().st_size,
+              "gguf_path": str(gguf_path.resolve())}
     (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
     for path in tmp.iterdir():  # NOTE: the weights are written 0600; services may run as another user
         path.chmod(0o644)
@@ -85,6 +86,22 @@ def convert_gguf(
         tmp.rename(folder)
     logger.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
     return folder
+
+
+def gguf_source(folder: Path, home: Path) -> Path | None:
+    """The ``.gguf`` file a converted ``folder`` was made from, if it is still there (same
+    size as converted): the path recorded at conversion, else ``<home>/gguf/<file>`` (where
+    the default pair keeps its files). ``None`` for a folder that is no conversion."""
+    try:
+        source = json.loads((folder / SOURCE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    candidates = [Path(source["gguf_path"])] if source.get("gguf_path") else []
+    candidates.append(home / "gguf" / str(source.get("gguf_file", "")))
+    for candidate in candidates:
+        if candidate.is_file() and candidate.stat().st_size == source.get("gguf_size"):
+            return candidate
+    return None
 
 
 def converted_folder(home: Path, stem: str, sha256: str) -> Path:

@@ -25,9 +25,10 @@ from torch import nn
 
 from disco.models.weight_only import WeightOnlyLinear, chunked_gemm
 
-#: Input features per quantization group (the kernel takes 32, 64, 128 or 256).
-GROUP_SIZE = 64
-_SMALL_GROUP = 32  # for input sizes that are a multiple of 32 but not of GROUP_SIZE
+#: Input features per quantization group (the kernel takes 32, 64, 128 or 256): 32 is a GGUF
+#: Q4_K sub-block, so the shipped target's weights map onto the groups as they are
+#: (:mod:`disco.models.gguf_blocks`); the kernel costs the same at 32 and 64 (docs/engines.md).
+GROUP_SIZE = 32
 _OUT_MULTIPLE = 16  # the packed layout's output-channel tile
 _LEVELS = 15
 _MID = 8
@@ -35,10 +36,7 @@ _MID = 8
 
 def group_size_for(in_features: int) -> int | None:
     """The group size a linear of ``in_features`` inputs gets (``None``: int4 does not fit)."""
-    for size in (GROUP_SIZE, _SMALL_GROUP):
-        if in_features % size == 0:
-            return size
-    return None
+    return GROUP_SIZE if in_features % GROUP_SIZE == 0 else None
 
 
 def int4_fits(module: nn.Linear) -> bool:
@@ -60,7 +58,7 @@ class Int4Linear(WeightOnlyLinear):
         super().__init__()
         group = group_size_for(in_features)
         if group is None:
-            raise ValueError(f"int4 needs input features divisible by {_SMALL_GROUP}, got {in_features}")
+            raise ValueError(f"int4 needs input features divisible by {GROUP_SIZE}, got {in_features}")
         self.in_features, self.out_features, self.group_size = in_features, out_features, group
         self.register_buffer("packed", torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device))
         self.register_buffer("scales_and_zeros",
@@ -75,12 +73,33 @@ class Int4Linear(WeightOnlyLinear):
         out_features, in_features = weight.shape
         module = cls(in_features, out_features, bias is not None, dtype, weight.device)
         q, scales, zeros = quantize_weight_int4(weight, module.group_size, dtype)
-        module.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-        module.scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
-        module.centered = (q.to(torch.int16) - _MID).to(torch.int8)
+        return module._filled(q, scales, zeros, bias)
+
+    @classmethod
+    def from_groups(cls, q: torch.Tensor,  # uint8 [out_features, in_features], in [0, 15]
+                    scales: torch.Tensor,  # [out_features, in_features // GROUP_SIZE]
+                    zeros: torch.Tensor,  # [out_features, in_features // GROUP_SIZE]
+                    bias: torch.Tensor | None = None,  # [out_features]
+                    dtype: torch.dtype = torch.bfloat16) -> "Int4Linear":
+        """A layer over weights already on an int4 grid, ``w = (q - 8) * scale + zero`` per
+        group of :data:`GROUP_SIZE` inputs (a GGUF's Q4_K blocks, :mod:`disco.models.gguf_blocks`):
+        ``q`` is kept as it is, the scales and zeros rounded to ``dtype``."""
+        out_features, in_features = q.shape
+        module = cls(in_features, out_features, bias is not None, dtype, q.device)
+        if tuple(scales.shape) != (out_features, in_features // module.group_size) or scales.shape != zeros.shape:
+            raise ValueError(f"scales/zeros {list(scales.shape)}/{list(zeros.shape)} do not fit groups of "
+                             f"{module.group_size} over a weight {list(q.shape)}")
+        return module._filled(q, scales.to(dtype), zeros.to(dtype), bias)
+
+    def _filled(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                bias: torch.Tensor | None) -> "Int4Linear":
+        """Pack ``q`` (uint8 ``[out, in]``) and the ``[out, groups]`` scales and zeros into the buffers."""
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        self.scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
+        self.centered = (q.to(torch.int16) - _MID).to(torch.int8)
         if bias is not None:
-            module.bias = bias.detach().to(dtype).clone()
-        return module
+            self.bias = bias.detach().to(scales.dtype).clone()
+        return self
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -90,7 +109,7 @@ class Int4Linear(WeightOnlyLinear):
         return torch._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_and_zeros)
 
     def _dense(self, rows: torch.Tensor) -> torch.Tensor:  # rows: [n, in_features] -> [n, out_features]
-        return chunked_gemm(rows, self.out_features, self._fill_dense_slice).to(rows.dtype)
+        return chunked_gemm(rows, self.out_features, self._fill_dense_slice, self.dense_dtype).to(rows.dtype)
 
     def _fill_dense_slice(self, start: int, end: int, buffer: torch.Tensor) -> None:
         """Write the float32 weights of output channels ``start:end`` into ``buffer``

@@ -33,7 +33,9 @@ from disco.config import ModelConfig, PairConfig
 from disco.errors import ModelError, VocabularyMismatch, first_line
 from disco.models import quantize, row_stable
 from disco.models.default_pair import ROLES, default_model, ensure_default_model
-from disco.models.gguf import SOURCE_FILE, convert_gguf
+from disco.models.gguf import SOURCE_FILE, convert_gguf, gguf_source
+from disco.models.gguf_blocks import checked_native_weights
+from disco.models.weight_only import choose_dense_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +124,8 @@ def load_model(config: ModelConfig, role: str, home: Path, progress: bool = True
     model.eval()
     if config.dtype != "float32" and config.device == "cpu":
         logger.info("%s model %s: %s", role, name, row_stable.stabilize(model))
+    if config.dtype in quantize.QUANT_FORMATS and config.device == "cpu":
+        logger.info("%s model %s: %s", role, name, choose_dense_dtype(model))
     loaded = LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -299,10 +303,16 @@ def _load_quantized(location: str, name: str, is_hub: bool, home: Path,
     model, tokenizer = _load_hf(location, _DTYPES[engine], is_hub)
     fingerprint = fingerprint or _hub_fingerprint(location, model)
     logger.info("quantizing %s to %s weight-only (once; cached in %s) ...", name, engine, home / QUANTIZED_DIR)
-    quantize.quantize_model(model, engine=engine)
+    native, report = {}, {}
+    gguf_path = None if is_hub or engine != "int4" else gguf_source(Path(location), home)
+    if gguf_path is not None:
+        native, report = checked_native_weights(gguf_path, model)
+        logger.info("%s: %d linears keep the GGUF's own Q4_K weights, re-quantized: %s",
+                    name, report["native_int4"], report["requantized"])
+    quantize.quantize_model(model, engine=engine, native=native)
     folder = quantized_folder(home, name, fingerprint, engine=engine)
     manifest = {"source": location, "fingerprint": fingerprint, "lm_head": quantize.QUANTIZE_LM_HEAD,
-                "torch": torch.__version__}
+                "torch": torch.__version__, **({"gguf": report} if report else {})}
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         quantize.save_quantized(model, folder, manifest, engine)

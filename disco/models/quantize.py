@@ -28,16 +28,18 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Mapping
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from disco.models.gguf_blocks import Int4Groups
 from disco.models.int4 import GROUP_SIZE, Int4Linear, int4_fits
 from disco.models.weight_only import WeightOnlyLinear, chunked_gemm
 
 #: Version of the quantized format per engine (the cache is keyed by it).
-QUANT_FORMATS = {"int8": "int8wo-v1", "int4": f"int4wo-g{GROUP_SIZE}-v1"}
+QUANT_FORMATS = {"int8": "int8wo-v1", "int4": f"int4wo-g{GROUP_SIZE}-v2"}  # v2: a GGUF's Q4_K kept as it is
 QUANT_FORMAT = QUANT_FORMATS["int8"]
 #: Compute dtype of the int8 engine's activations and non-linear parts.
 COMPUTE_DTYPE = torch.bfloat16
@@ -96,7 +98,8 @@ class Int8Linear(WeightOnlyLinear):
     def _dense(self, rows: torch.Tensor) -> torch.Tensor:  # rows: [n, in_features] -> [n, out_features]
         """A prefill block: float32 GEMMs over the int8 weights converted a slice of output
         channels at a time (the slice stays in cache), scaled per output channel."""
-        out = chunked_gemm(rows, self.out_features, lambda start, end, buffer: buffer.copy_(self.weight[start:end]))
+        out = chunked_gemm(rows, self.out_features, lambda start, end, buffer: buffer.copy_(self.weight[start:end]),
+                           self.dense_dtype)
         return (out * self.scales.float()).to(rows.dtype)
 
     def dequantized(self) -> torch.Tensor:
@@ -131,7 +134,8 @@ def quantize_weight(weight: torch.Tensor,  # [out_features, in_features]
 
 
 def quantize_model(model: nn.Module, lm_head: bool = QUANTIZE_LM_HEAD,
-                   dtype: torch.dtype = COMPUTE_DTYPE, engine: str = "int8") -> nn.Module:
+                   dtype: torch.dtype = COMPUTE_DTYPE, engine: str = "int8",
+                   native: Mapping[str, Int4Groups] | None = None) -> nn.Module:
     """Turn ``model`` into the int8 (or ``engine="int4"``: :mod:`disco.models.int4`, int8 where
     int4 does not fit a linear's shape) engine in place and return it.
 
@@ -139,8 +143,11 @@ def quantize_model(model: nn.Module, lm_head: bool = QUANTIZE_LM_HEAD,
     keep theirs, as ``from_pretrained(dtype=...)`` leaves them), then every ``nn.Linear``
     is replaced by an :class:`Int8Linear` (the output embedding only if ``lm_head``). A
     tied output embedding gets an int8 copy; the input embedding keeps its ``dtype``
-    weights.
+    weights. ``native``: int4 weights as they are, by parameter name (``<linear>.weight``;
+    a GGUF's Q4_K blocks, :func:`disco.models.gguf_blocks.native_int4_weights`), used instead
+    of quantizing that linear's dense weight.
     """
+    native = native or {}
     for parameter in model.parameters():
         if parameter.is_floating_point() and parameter.dtype != dtype:
             parameter.data = parameter.data.to(dtype)
@@ -149,7 +156,9 @@ def quantize_model(model: nn.Module, lm_head: bool = QUANTIZE_LM_HEAD,
         if not isinstance(module, nn.Linear) or (module is output and not lm_head):
             continue
         kind = Int4Linear if engine == "int4" and int4_fits(module) else Int8Linear
-        _set_submodule(model, name, kind.from_weight(module.weight, module.bias, dtype))
+        groups = native.get(f"{name}.weight") if kind is Int4Linear else None
+        _set_submodule(model, name, kind.from_weight(module.weight, module.bias, dtype) if groups is None else
+                       Int4Linear.from_groups(groups.q, groups.scales, groups.zeros, module.bias, dtype))
     return model
 
 

@@ -20,6 +20,7 @@ linears (:mod:`disco.models.row_stable`) split the same way: a span is one plain
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Callable, Iterator, Sequence
@@ -69,21 +70,55 @@ def split_rows(rows: torch.Tensor,  # [n, in_features]
 
 def chunked_gemm(rows: torch.Tensor,  # [n, in_features], any float dtype
                  out_features: int,
-                 fill_slice: Callable[[int, int, torch.Tensor], None]) -> torch.Tensor:
-    """``rows @ W^T`` in float32, ``W`` given a slice of output channels at a time:
+                 fill_slice: Callable[[int, int, torch.Tensor], None],
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``rows @ W^T`` as GEMMs in ``dtype`` (float32, or bfloat16 where the CPU multiplies it
+    faster: :func:`choose_dense_dtype`), ``W`` given a slice of output channels at a time:
     ``fill_slice(start, end, buffer)`` writes ``W[start:end]`` as float32 into ``buffer``
     ``[end - start, in_features]`` (one buffer reused for every slice: converting in place
     instead of through temporaries made an int4 prefill GEMM of 200 rows 1.4x faster on an
-    AVX2 CPU, docs/engines.md). Returns float32 ``[n, out_features]``."""
-    inputs = rows.float()
+    AVX2 CPU, docs/engines.md); for a bf16 GEMM the slice is then rounded once to bf16.
+    Returns float32 ``[n, out_features]``."""
+    inputs = rows.to(dtype)
     out = torch.empty(rows.shape[0], out_features, dtype=torch.float32, device=rows.device)
     buffer = torch.empty(min(DENSE_CHUNK, out_features), rows.shape[1], dtype=torch.float32, device=rows.device)
+    rounded = buffer if dtype == torch.float32 else torch.empty(buffer.shape, dtype=dtype, device=rows.device)
     for start in range(0, out_features, DENSE_CHUNK):
         end = min(start + DENSE_CHUNK, out_features)
-        weights = buffer[:end - start]
-        fill_slice(start, end, weights)
+        fill_slice(start, end, buffer[:end - start])
+        weights = rounded[:end - start]
+        if weights is not buffer[:end - start]:
+            weights.copy_(buffer[:end - start])
         out[:, start:end] = inputs @ weights.T
     return out
+
+
+def choose_dense_dtype(model: nn.Module, rows: int = 128) -> str:
+    """Time a prefill-sized GEMM of the model's largest weight-only linear in float32 and in
+    bfloat16 (:func:`chunked_gemm`, best of 3 each, interleaved) and give every weight-only
+    linear the faster one (bf16 where the CPU multiplies bf16 in hardware: AMX, AVX-512-BF16).
+    A prefill block's bits depend only on its own rows either way. Returns a line for the
+    load log."""
+    linears = [module for module in model.modules() if isinstance(module, WeightOnlyLinear)]
+    if not linears:
+        return "no weight-only linears"
+    probe = max(linears, key=lambda module: module.in_features * module.out_features
+                if module.out_features < 65536 else 0)  # not the LM head: prefill asks one row of it
+    inputs = torch.randn(rows, probe.in_features, generator=torch.Generator().manual_seed(0)).to(probe.compute_dtype)
+    seconds = {torch.float32: [], torch.bfloat16: []}
+    with torch.no_grad():
+        for _ in range(3):
+            for dtype, timings in seconds.items():
+                probe.dense_dtype = dtype
+                started = time.perf_counter()
+                probe._dense(inputs)
+                timings.append(time.perf_counter() - started)
+    best = min(seconds, key=lambda dtype: min(seconds[dtype]))
+    for module in linears:
+        module.dense_dtype = best
+    return (f"prefill GEMMs in {str(best).removeprefix('torch.')} (measured {rows} rows x "
+            f"{probe.out_features}x{probe.in_features}: float32 {min(seconds[torch.float32]) * 1e3:.1f} ms, "
+            f"bfloat16 {min(seconds[torch.bfloat16]) * 1e3:.1f} ms)")
 
 
 class WeightOnlyLinear(nn.Module):
@@ -96,6 +131,8 @@ class WeightOnlyLinear(nn.Module):
     #: How calls of decoded rows are cut (a ``disco.models.row_stable.RowPlan``, set by
     #: ``row_stable.stabilize`` at load); ``None``: one call of all rows.
     row_plan = None
+    #: The dtype of the prefill GEMMs (:func:`choose_dense_dtype` sets it at load).
+    dense_dtype = torch.float32
 
     @property
     def compute_dtype(self) -> torch.dtype:
