@@ -95,10 +95,11 @@ class ModelService:
         from disco.config import ModelConfig  # noqa: PLC0415
         from disco.engines.sessions import SessionLimits  # noqa: PLC0415
         from disco.models.loading import disco_home, load_model  # noqa: PLC0415
-        from disco.platform import resolve_dtype_here  # noqa: PLC0415
+        from disco.engines.engine_choice import choose_engine  # noqa: PLC0415
 
         self.role = role
-        model = {**model, "dtype": resolve_dtype_here(model.get("dtype", "auto"), model.get("device", "cpu"), role)}
+        model = {**model, "dtype": choose_engine(model.get("dtype", "auto"), model.get("spec"), role,
+                                                 model.get("device", "cpu"), disco_home(), progress=False)}
         loaded = load_model(ModelConfig(**model), role, disco_home(), progress=False)
         module = draft_service.server if role == "draft" else target_service.server
         host = host or ray.util.get_node_ip_address()

@@ -1,13 +1,9 @@
-"""What this machine computes fast: CPU math-library settings that must be chosen before
-torch is imported, and the engine ``--dtype auto`` picks. No torch import here."""
+"""What this machine is: CPU math-library settings that must be chosen before torch is
+imported, and the engine ``--dtype auto`` means where no measurement is needed. No torch import here."""
 
 from __future__ import annotations
 
 import os
-from typing import AbstractSet
-
-#: CPU flags of native bfloat16 matrix math (Intel AMX tiles, AVX-512 BF16 dot products).
-BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
 def cpu_flags() -> frozenset[str]:
@@ -22,30 +18,18 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def resolve_dtype(requested: str, device: str, flags: AbstractSet[str], role: str = "target") -> str:
-    """The concrete engine for ``--dtype requested`` on ``device`` (pure: pass the CPU flags).
-
-    ``auto``: bfloat16 on CUDA. On a CPU the draft gets int4 weight-only: its one-token
-    forwards are bound by reading weights, and its quality only moves the acceptance rate,
-    never the output (measured 2.5x faster per token than bf16 on an AMX Xeon, 32 vs 80 ms,
-    and the fastest on AVX2). The target gets bfloat16 on CPUs that compute in bfloat16
-    natively (AMX or AVX-512-BF16: a verification of k tokens costs about one step), else
-    int8 weight-only (AVX2-only CPUs, where a bf16 forward over k tokens costs about k
-    single-token forwards; int8 is 1.5-3x faster there). See docs/engines.md. Any other
-    value is returned unchanged.
-    """
+def resolve_dtype(requested: str, device: str, role: str = "target") -> str:
+    """The concrete engine for ``--dtype requested`` on ``device``, where no measurement is
+    needed: any value but ``auto`` is returned unchanged, and ``auto`` on CUDA is
+    ``bfloat16`` (both roles). ``auto`` on a CPU is chosen by timing the candidate engines
+    on the machine (:func:`disco.engines.engine_choice.choose_engine`; CPU flags do not tell:
+    docs/engines.md), so it raises ``ValueError`` here."""
     if requested != "auto":
         return requested
     if device.startswith("cuda"):
         return "bfloat16"
-    if role == "draft":
-        return "int4"
-    return "bfloat16" if any(flag in flags for flag in BF16_CPU_FLAGS) else "int8"
-
-
-def resolve_dtype_here(requested: str, device: str, role: str = "target") -> str:
-    """:func:`resolve_dtype` with this machine's CPU flags (call at an entry point)."""
-    return resolve_dtype(requested, device, cpu_flags() if requested == "auto" else frozenset(), role)
+    raise ValueError(f"--dtype auto for the {role} on {device} is chosen by measurement "
+                     "(disco.engines.engine_choice.choose_engine)")
 
 
 def tune_cpu_math_env() -> None:

@@ -63,23 +63,48 @@ def tiny_pair_dirs(tmp_path_factory, tokenizer, target_model, drafts):
 SERVICE_THREADS = os.cpu_count() or 1
 
 
-@pytest.fixture(scope="module")
-def default_engine(tiny_pair_dirs, tmp_path_factory):
-    """The tiny target and noisy draft as the services load them by default: ``--dtype
-    auto`` resolved on this CPU (bf16 target with AVX-512-BF16/AMX, else int8; int4 draft),
-    through :func:`disco.models.loading.load_model` (row plans probed at load), at the services'
-    default thread count (kernel paths depend on it). Yields ``{"target": LoadedModel,
-    "draft": LoadedModel}``; the thread count is restored afterwards."""
+def _engine_pair(tiny_pair_dirs, home, engines: dict) -> dict:
+    """The tiny target and noisy draft loaded as the services load them (row plans probed,
+    the packed forward proven), on ``engines[role]``, at the services' thread count."""
     from disco.config import ModelConfig  # noqa: PLC0415
     from disco.models.loading import load_model  # noqa: PLC0415
-    from disco.platform import resolve_dtype_here  # noqa: PLC0415
+
+    return {role: load_model(ModelConfig(spec=str(folder), dtype=engines[role]), role, home, progress=False)
+            for role, folder in tiny_pair_dirs.items()}
+
+
+@pytest.fixture(scope="module", params=["int4", "int8", "bfloat16"])
+def default_engine(request, tiny_pair_dirs, tmp_path_factory):
+    """The tiny target and noisy draft on each engine ``--dtype auto`` may pick for the
+    services on a CPU (:data:`disco.engines.engine_choice.CPU_CANDIDATES`: the target on
+    int4, int8 or bf16, the draft on int4), through :func:`disco.models.loading.load_model`
+    (row plans probed at load), at the services' default thread count (kernel paths depend
+    on it). Yields ``{"target": LoadedModel, "draft": LoadedModel}``; the thread count is
+    restored afterwards."""
+    from disco.engines.engine_choice import CPU_CANDIDATES  # noqa: PLC0415
+
+    assert request.param in CPU_CANDIDATES["target"]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(SERVICE_THREADS)
+    try:
+        yield _engine_pair(tiny_pair_dirs, tmp_path_factory.mktemp("default_engine_home"),
+                           {"target": request.param, "draft": CPU_CANDIDATES["draft"][0]})
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def auto_engine(tiny_pair_dirs, tmp_path_factory):
+    """The tiny pair on the engines ``--dtype auto`` picks here, by timing the candidates
+    (:func:`disco.engines.engine_choice.choose_engine`), at the services' thread count."""
+    from disco.engines.engine_choice import choose_engine  # noqa: PLC0415
 
     previous = torch.get_num_threads()
     torch.set_num_threads(SERVICE_THREADS)
-    home = tmp_path_factory.mktemp("default_engine_home")
+    home = tmp_path_factory.mktemp("auto_engine_home")
     try:
-        yield {role: load_model(ModelConfig(spec=str(folder), dtype=resolve_dtype_here("auto", "cpu", role)),
-                                role, home, progress=False)
-               for role, folder in tiny_pair_dirs.items()}
+        engines = {role: choose_engine("auto", str(folder), role, "cpu", home, progress=False)
+                   for role, folder in tiny_pair_dirs.items()}
+        yield _engine_pair(tiny_pair_dirs, home, engines)
     finally:
         torch.set_num_threads(previous)

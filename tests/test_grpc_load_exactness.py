@@ -3,9 +3,10 @@ tokens the target alone produces — every policy, in float32, bfloat16 and the 
 default engine (issues 17 and 32).
 
 Low precision matters here: a batch that rounds differently from a session's own forward
-flips tokens only there. ``default`` is the pair as the services load it (``--dtype auto``
-on this CPU, row plans probed at load, the services' thread count): bf16 chosen by hand
-passed while the default engine on an AVX-512-BF16 CPU got other tokens (issue 32).
+flips tokens only there. ``default`` is the pair as the services load it (``--dtype auto``:
+the candidate engines timed on this CPU, row plans probed at load, the services' thread
+count): bf16 chosen by hand passed while the default engine on an AVX-512-BF16 CPU got
+other tokens (issue 32).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class _Stack:
 def stack_and_models(request, target_model, drafts, tokenizer):
     target, draft = target_model, drafts["noisy"]
     if request.param == "default":
-        engine = request.getfixturevalue("default_engine")
+        engine = request.getfixturevalue("auto_engine")
         target, draft = engine["target"].model, engine["draft"].model
     elif request.param != torch.float32:
         target, draft = copy.deepcopy(target).to(request.param), copy.deepcopy(draft).to(request.param)

@@ -232,47 +232,20 @@ def test_generate_cli_names_the_int8_engine(capsys, tiny_pair_dirs, tmp_path, mo
 
 # --- dtype selection ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("device, flags, expected", [
-    ("cpu", {"avx2", "fma"}, "int8"),  # AVX2-only (AMD EPYC): int8 weight-only
-    ("cpu", {"avx2", "avx512f"}, "int8"),  # AVX-512 without BF16
-    ("cpu", {"avx2", "avx512f", "avx512_bf16"}, "bfloat16"),
-    ("cpu", {"avx2", "amx_bf16", "amx_tile"}, "bfloat16"),  # Sapphire Rapids
-    ("cpu", set(), "int8"),  # no /proc/cpuinfo
-    ("cuda", set(), "bfloat16"),
-    ("cuda:1", {"avx2"}, "bfloat16"),
-])
-def test_auto_dtype_from_cpu_flags(device, flags, expected):
-    assert resolve_dtype("auto", device, frozenset(flags)) == expected
-    # the draft: int4 on every CPU (bf16 units or not: its steps read weights), bf16 on CUDA
-    assert resolve_dtype("auto", device, frozenset(flags), role="draft") == ("int4" if device == "cpu" else expected)
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_auto_on_cuda_is_bf16_for_both_roles(device):
+    assert resolve_dtype("auto", device) == resolve_dtype("auto", device, role="draft") == "bfloat16"
+
+
+def test_auto_on_a_cpu_is_not_decided_without_a_measurement():
+    with pytest.raises(ValueError, match="measurement"):
+        resolve_dtype("auto", "cpu")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int8", "int4"])
 def test_explicit_dtype_is_kept(dtype):
-    assert resolve_dtype(dtype, "cpu", frozenset({"amx_bf16"})) == dtype
-    assert resolve_dtype(dtype, "cpu", frozenset({"avx2"}), role="draft") == dtype
-
-
-@pytest.mark.parametrize("flags, expected, draft_expected", [({"avx2"}, "int8", "int4"),
-                                                             ({"amx_bf16"}, "bfloat16", "int4")])
-def test_cli_resolves_auto_once_at_the_entry_point(monkeypatch, flags, expected, draft_expected):
-    import disco.platform
-    from disco_cli.commands.common import pair_config_from_args
-    from disco_cli.main import build_parser
-
-    monkeypatch.setattr(disco.platform, "cpu_flags", lambda: frozenset(flags))
-    args = build_parser().parse_args(["generate", "--prompt", "x"])
-    assert args.dtype == "auto"  # the default
-    pair = pair_config_from_args(args)
-    assert pair.target.dtype == expected and pair.draft.dtype == draft_expected
-    assert pair.engine == (expected if expected == draft_expected else f"{expected}, draft {draft_expected}")
-    explicit = pair_config_from_args(build_parser().parse_args(["generate", "--prompt", "x", "--dtype", "int8"]))
-    assert explicit.target.dtype == explicit.draft.dtype == "int8"  # an explicit engine is both models'
-    split = pair_config_from_args(build_parser().parse_args(
-        ["generate", "--prompt", "x", "--dtype", "bfloat16", "--draft-dtype", "int4"]))
-    assert (split.target.dtype, split.draft.dtype) == ("bfloat16", "int4")
-    cuda = pair_config_from_args(build_parser().parse_args(["generate", "--prompt", "x", "--device", "cuda"]))
-    assert cuda.target.dtype == "bfloat16"
+    assert resolve_dtype(dtype, "cpu") == dtype
+    assert resolve_dtype(dtype, "cpu", role="draft") == dtype
 
 
 def test_model_config_accepts_int8_and_refuses_unresolved_auto():

@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from disco.config import ModelConfig, PairConfig, SamplingParams, SpeculationConfig
+from disco.engines.engine_choice import choose_engine
 from disco.engines.in_process import build_local_pipeline, encode_prompt
 from disco.engines.kv import CachedSequence
 from disco.models.loading import disco_home
 from disco.models.weight_only import DENSE_MIN_ROWS
 from disco.offline.datasets import load_dataset
-from disco.platform import resolve_dtype_here
 from tests.helpers import generate_at_once
 
 pytestmark = pytest.mark.slow
@@ -38,8 +38,8 @@ def test_real_pair_float32_greedy_is_exact(float32_pipeline, policy):
 def default_engine_pipeline():
     """The default engine of this machine (``--dtype auto``: e.g. bf16 target with AMX,
     int8 without; int4 draft), with the measured costs ``auto`` reads."""
-    pair = PairConfig(target=ModelConfig(dtype=resolve_dtype_here("auto", "cpu", "target")),
-                      draft=ModelConfig(dtype=resolve_dtype_here("auto", "cpu", "draft")))
+    pair = PairConfig(target=ModelConfig(dtype=choose_engine("auto", None, "target", "cpu", disco_home())),
+                      draft=ModelConfig(dtype=choose_engine("auto", None, "draft", "cpu", disco_home())))
     return build_local_pipeline(pair, disco_home(), measure_costs=True)
 
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 
 from disco.config import DTYPE_CHOICES, ModelConfig, PairConfig
-from disco.platform import resolve_dtype_here
+from disco.engines.engine_choice import choose_engine
+from disco.models.loading import disco_home
 
-DTYPE_HELP = ("engine: auto (default: bfloat16 on CUDA; on a CPU int4 for the draft and, for the target, "
-              "bfloat16 with AMX or AVX-512-BF16, else int8), bfloat16, float16, float32 (to check exactness), "
-              "int8 or int4 (weight-only, bfloat16 activations)")
+DTYPE_HELP = ("engine: auto (default: bfloat16 on CUDA; on a CPU the fastest engine measured on this machine, "
+              "timed at the first start and cached: int4, int8 or bfloat16 for the target, int4 or int8 for the "
+              "draft), bfloat16, float16, float32 (to check exactness), int8 or int4 (weight-only, bfloat16 "
+              "activations; int4 keeps a GGUF's own Q4_K weights)")
 
 
 def add_dtype_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -19,9 +21,11 @@ def add_dtype_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> 
 
 def dtype_from_args(args: argparse.Namespace, role: str = "target") -> str:
     """The concrete engine ``--dtype`` names for ``role`` on ``--device`` here (``auto``
-    resolved once; ``--draft-dtype``, where given, for the draft)."""
+    resolved once, on a CPU by timing the candidate engines on this machine:
+    :func:`disco.engines.engine_choice.choose_engine`; ``--draft-dtype``, where given, for the draft)."""
     requested = getattr(args, "draft_dtype", None) if role == "draft" else None
-    return resolve_dtype_here(requested or args.dtype, getattr(args, "device", "cpu"), role)
+    spec = getattr(args, role, None) if hasattr(args, role) else getattr(args, "model", None)
+    return choose_engine(requested or args.dtype, spec, role, getattr(args, "device", "cpu"), disco_home())
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
