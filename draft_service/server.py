@@ -50,6 +50,7 @@ def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0, limits
     metrics = ServerMetrics("draft", loaded.name)
     metrics.track_batches(lambda: engine.batcher.batch_sizes, engine.batcher.packed,
                           engine.batcher.verdict.detail)
+    metrics.track_live_costs(engine.batcher.live_costs.seconds_by_rows)
     servicer = DraftServicer(engine, loaded, limits, max_prompt_tokens, metrics, forward_s)
     # One thread per in-flight call: every session may be drafting at once, plus Info calls.
     return start_server([(draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer, SERVICE_NAME)],

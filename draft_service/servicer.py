@@ -82,4 +82,5 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return convert.service_info_pb("draft", self.loaded, self.engine.max_context,
                                        self.engine.active_sessions(), self.limits, time.perf_counter_ns(),
                                        self.forward_s, overlap=self.engine.overlap,
-                                       batching=self.engine.batcher.verdict.detail)
+                                       batching=self.engine.batcher.verdict.detail,
+                                       live_forward_s=self.engine.batcher.live_costs.seconds_by_rows())

@@ -14,6 +14,7 @@ import grpc
 
 from disco.errors import DiscoError, ModelError, VocabularyMismatch
 from disco.speculation.cost_model import CostModel
+from disco.speculation.live_model import live_cost_model
 from orchestrator.failover import FailoverDrafter, FailoverVerifier, SessionTrack
 from orchestrator.remote import CallScope
 from orchestrator.routing import ReplicaSet
@@ -26,6 +27,8 @@ DESCRIBE_TIMEOUT_S = 5.0
 
 #: How long an orchestrator goes on without costs before asking the services again.
 COSTS_RETRY_S = 30.0
+#: How often the services' live forward costs are read again (an ``Info`` call each).
+LIVE_REFRESH_S = 1.0
 
 
 class Backends:
@@ -52,6 +55,8 @@ class Backends:
         self._target_info: common_pb2.ServiceInfo | None = None
         self._costs: CostModel | None = None
         self._costs_retry_at = 0.0  # no costs known: ask the services again after this time
+        self._live: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())  # target's, draft's seconds by rows
+        self._live_read_at = float("-inf")
         self._draft_checked = False
         self._lock = threading.Lock()
 
@@ -104,9 +109,43 @@ class Backends:
                 self._target_info = info
             return self._target_info
 
-    def costs(self) -> CostModel | None:
-        """The deployment's cost model for the ``auto`` policy: the draft's and the target's
-        measured forward costs (from their ``Info``) and the round trip of a call, measured
+    def costs(self, in_flight: int = 1) -> CostModel | None:
+        """The cost model ``auto`` decides one request with, ``in_flight`` requests (this one
+        included) being served: the calibration corrected by the services' live forward
+        costs, at the load (:func:`disco.speculation.live_model.live_cost_model`; the sessions
+        per target replica are ``in_flight`` spread over the replicas). ``None`` while a
+        service reports no costs or cannot be reached."""
+        calibrated = self.calibrated_costs()
+        if calibrated is None:
+            return None
+        target_live, draft_live = self.live_costs()
+        replicas = max(1, len(self.target.addresses()))
+        return live_cost_model(calibrated, target_live, draft_live, -(-max(1, in_flight) // replicas))
+
+    def draft_unobserved(self) -> bool:
+        """Whether no live draft forward has been seen (then a draft calibration that is too
+        high would keep ``auto`` from ever drafting, and so from ever correcting it)."""
+        return not any(seconds > 0 for seconds in self.live_costs()[1])
+
+    def live_costs(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """The target's and the draft's observed forward seconds by rows (their ``Info``'s
+        ``live_forward_s``), read at most every :data:`LIVE_REFRESH_S`; the last ones read
+        when a service cannot be reached."""
+        with self._lock:
+            if time.monotonic() - self._live_read_at < LIVE_REFRESH_S:
+                return self._live
+            self._live_read_at = time.monotonic()
+        try:
+            live = (tuple(self.describe("target").live_forward_s), tuple(self.describe("draft").live_forward_s))
+        except DiscoError:
+            return self._live
+        with self._lock:
+            self._live = live
+        return live
+
+    def calibrated_costs(self) -> CostModel | None:
+        """The deployment's calibrated cost model: the draft's and the target's measured
+        forward costs at start (from their ``Info``) and the round trip of a call, measured
         here (median of 3 ``Info`` calls minus their server time). Cached once known;
         ``None`` while a service reports no costs or cannot be reached."""
         with self._lock:

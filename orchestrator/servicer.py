@@ -121,10 +121,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             context.add_callback(scope.cancel)  # client cancel or deadline: stop the backend calls
             sticky_drafter, verifier = self.backends.session(scope)  # sticky replicas, re-prefilled on failure
             drafter = UnreachableDrafter(draft_down) if draft_down else DegradingDrafter(sticky_drafter)
+            costs = self.backends.costs(self._active) if reads_costs(speculation.policy) else None
             generator = SpeculativeGenerator(drafter, verifier, self._locked_decode, target.eos_token_ids,
-                                             self.limits.max_new_tokens,
-                                             costs=self.backends.costs() if reads_costs(speculation.policy) else None,
-                                             parallel_prefill=True)  # the services have their own devices
+                                             self.limits.max_new_tokens, costs=costs,
+                                             parallel_prefill=True,  # the services have their own devices
+                                             explore_draft=costs is not None and not draft_down
+                                             and self.backends.draft_unobserved())
             events = generator.stream(prompt_ids, sampling, speculation)
             yield from self.metrics.observe(_with_failovers(events, sticky_drafter, verifier))
 

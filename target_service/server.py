@@ -37,6 +37,7 @@ def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0, limits
     metrics = ServerMetrics("target", loaded.name)
     metrics.track_batches(lambda: engine.batcher.batch_sizes, engine.batcher.packed,
                           engine.batcher.verdict.detail)
+    metrics.track_live_costs(engine.batcher.live_costs.seconds_by_rows)
     servicer = TargetServicer(engine, loaded, limits, max_prompt_tokens, metrics, forward_s)
     return start_server([(target_pb2_grpc.add_TargetServiceServicer_to_server, servicer, SERVICE_NAME)],
                         host, port, max_workers=limits.max_sessions + 8, tls=tls, metrics=metrics,

@@ -64,4 +64,5 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def Info(self, request: common_pb2.ServiceInfoRequest, context: grpc.ServicerContext) -> common_pb2.ServiceInfo:
         return convert.service_info_pb("target", self.loaded, self.engine.max_context,
                                        self.engine.active_sessions(), self.limits, time.perf_counter_ns(),
-                                       self.forward_s, batching=self.engine.batcher.verdict.detail)
+                                       self.forward_s, batching=self.engine.batcher.verdict.detail,
+                                       live_forward_s=self.engine.batcher.live_costs.seconds_by_rows())

@@ -107,10 +107,12 @@ def test_auto_is_exact_and_drafts_only_where_it_pays(target_model, drafts, token
             assert max(result.stats.lookaheads) <= best_lookahead(INT8_AVX2, 0.999, 8)[0]
 
 
-@pytest.mark.parametrize("costs,should_draft", [(BF16_AVX2, False), (INT8_AVX2, True)])
-def test_auto_over_grpc_reads_the_costs_the_services_report(target_model, drafts, tokenizer, costs, should_draft):
+@pytest.mark.parametrize("costs", [BF16_AVX2, INT8_AVX2])
+def test_auto_over_grpc_reads_the_costs_the_services_report(target_model, drafts, tokenizer, costs):
     """The services report their measured forward costs in Info; the orchestrator builds
-    the cost model from them (plus the measured round trip) and ``auto`` follows it."""
+    the calibrated cost model from them (plus the measured round trip). Which blocks
+    ``auto`` then drafts follows the forward times the services observe once they serve
+    (tests/test_live_costs.py); the output is target-only's either way."""
     import draft_service.server  # noqa: PLC0415
     import target_service.server  # noqa: PLC0415
     from orchestrator.client import DiscoClient  # noqa: PLC0415
@@ -127,8 +129,7 @@ def test_auto_over_grpc_reads_the_costs_the_services_report(target_model, drafts
             disco = client.generate(PROMPTS[0], policy="disco:default", max_new_tokens=16, ignore_eos=True)
         assert result.token_ids == reference.token_ids == disco.token_ids
         assert disco.stats["draft_tokens"] > 0  # disco:PATH never falls back to target-only
-        assert (result.stats["draft_tokens"] > 0) == should_draft
-        model = orchestrator.servicers[0].backends.costs()
+        model = orchestrator.servicers[0].backends.calibrated_costs()
         assert model.t_verify == pytest.approx(costs.t_verify) and model.t_draft == pytest.approx(costs.t_draft)
         assert 0 <= model.t_rtt < 1.0
     finally:

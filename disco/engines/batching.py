@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from disco.engines.kv import CachedSequence
+from disco.engines.live_costs import LiveCosts
 from disco.engines.packing_proof import verdict_for
 
 #: Sessions one packed forward holds at most (the engines' default; the load-time proof's size).
@@ -74,6 +75,7 @@ class ForwardBatcher:
         self._last_round: weakref.WeakSet[CachedSequence] = weakref.WeakSet()
         self._last_forward_s = 0.0
         self.batch_sizes: list[int] = []  # observability: size of every batch run (bounded)
+        self.live_costs = LiveCosts()  # seconds of the decoding/verification forwards run, by rows
 
     def prefill(self, sequence: CachedSequence) -> None:
         """:meth:`CachedSequence.prefill`, batched with concurrent prefills and forwards."""
@@ -130,6 +132,8 @@ class ForwardBatcher:
 
     def _run(self, batch: list[_Request]) -> None:
         try:
+            rows = sum(request.sequence.num_pending for request in batch)
+            steps_only = all(request.num_logits > 0 for request in batch)  # no prefill in it
             started = time.perf_counter()
             with self.model_lock:
                 if self.packed:
@@ -140,6 +144,8 @@ class ForwardBatcher:
                 for request, result in zip(batch, results):
                     request.result = result
             self._last_forward_s = time.perf_counter() - started
+            if steps_only:
+                self.live_costs.observe(rows, self._last_forward_s)
             self._count_round([request.sequence for request in batch])
             self.batch_sizes = (self.batch_sizes + [len(batch)])[-1000:]
         except BaseException as error:  # noqa: BLE001 - handed to every waiting caller

@@ -74,12 +74,17 @@ class SpeculativeGenerator:
         max_new_tokens_limit: int | None = None,
         costs: CostModel | None = None,
         parallel_prefill: bool = False,
+        explore_draft: bool = False,
     ) -> None:
         """``costs``: the measured engine costs of this deployment; ``auto`` and ``disco:``
         policies read them (:func:`disco.speculation.policies.auto.with_costs`; without them both are
         DISCO at the artifact's tuned threshold). ``parallel_prefill``: start the draft and
         the target session at once (the orchestrator's services run on their own devices;
-        in one process they would share the cores, so the in-process pipeline leaves it off)."""
+        in one process they would share the cores, so the in-process pipeline leaves it off).
+        ``explore_draft``: ``auto`` drafts even where ``costs`` say it cannot pay (its rate rule
+        still stops each block as early as the costs say), so that the draft's live costs
+        get observed; the orchestrator sets it while none were (a draft calibration too high
+        would otherwise never be corrected)."""
         self.drafter = drafter
         self.verifier = verifier
         self.decode = decode
@@ -87,6 +92,7 @@ class SpeculativeGenerator:
         self.max_new_tokens_limit = max_new_tokens_limit
         self.costs = costs
         self.parallel_prefill = parallel_prefill
+        self.explore_draft = explore_draft
 
     def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
                  speculation: SpeculationConfig) -> GenerationResult:
@@ -131,7 +137,7 @@ class SpeculativeGenerator:
         pay, else ``auto`` carrying the costs to the draft side (see :mod:`disco.speculation.policies.auto`)."""
         if self.costs is None:
             return "auto"
-        if self.drafter is None or not speculation_pays(self.costs, max_lookahead):
+        if self.drafter is None or not (self.explore_draft or speculation_pays(self.costs, max_lookahead)):
             return "none"
         return with_costs("auto", self.costs)
 

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest, start_http_server
+from prometheus_client.core import GaugeMetricFamily
 
 import disco
 from protos.runtime.logs import replace_log_fields
@@ -78,6 +79,12 @@ class ServerMetrics:
 
         gauge.set_function(mean)
 
+    def track_live_costs(self, seconds_by_rows: Callable[[], Sequence[float]]) -> None:
+        """``disco_forward_seconds_live{rows}``: the engine's observed forward seconds by rows
+        (:class:`disco.engines.live_costs.LiveCosts`), read at every scrape; row counts
+        not observed yet are left out."""
+        self.registry.register(_LiveCostsCollector(seconds_by_rows))
+
     def track_overlap(self) -> None:
         """Draft services: the overlapped-drafting counters (``disco draft-server --overlap on``;
         they stay 0 while overlap is off). Feed them with :meth:`count_overlap`."""
@@ -128,6 +135,20 @@ class ServerMetrics:
     def exposition(self) -> str:
         """The text ``/metrics`` would answer now."""
         return generate_latest(self.registry).decode()
+
+
+class _LiveCostsCollector:
+    def __init__(self, seconds_by_rows: Callable[[], Sequence[float]]) -> None:
+        self.seconds_by_rows = seconds_by_rows
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily("disco_forward_seconds_live",
+                                   "Observed seconds of a decoding/verification forward over `rows` new tokens "
+                                   "(all sessions it packs): decaying average while serving", labels=["rows"])
+        for rows, seconds in enumerate(self.seconds_by_rows(), start=1):
+            if seconds > 0:
+                family.add_metric([str(rows)], seconds)
+        yield family
 
 
 class ObservabilityInterceptor(grpc.ServerInterceptor):

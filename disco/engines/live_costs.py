@@ -1,0 +1,54 @@
+"""The forward costs a serving engine observes: seconds per forward by rows, while it serves.
+
+The calibration (:mod:`disco.engines.engine_costs`) measures one session's forwards once, at
+start; a busy first start, a drifting machine or concurrent load make it wrong for the
+forwards the engine actually runs (issue 29). :class:`LiveCosts` keeps, for every row count
+of a decoding or verification forward (the new tokens of all sessions packed into it), an
+exponentially decaying average of the wall seconds observed: the first observation sets
+it, each later one moves it by :attr:`LiveCosts.weight` (0.25: a level change is followed
+within a few forwards, one slow outlier moves it a quarter of the way). Prefill forwards are
+not recorded: their cost is the prompt's, not a step's.
+
+The services report the table in ``Info`` (``live_forward_s``) and ``/metrics``; the
+orchestrator's ``auto`` cost model follows it (:func:`disco.speculation.cost_model.live_cost_model`).
+"""
+
+from __future__ import annotations
+
+import threading
+
+#: Row counts tracked: up to the largest packed batch of decoding/verification rows
+#: (16 sessions x a block of up to 16 draft tokens plus the bonus position).
+MAX_ROWS = 16 * 17
+#: How far one observation moves the average.
+WEIGHT = 0.25
+
+
+class LiveCosts:
+    """Decaying average of observed forward seconds, by rows in the forward (thread-safe)."""
+
+    def __init__(self, max_rows: int = MAX_ROWS, weight: float = WEIGHT) -> None:
+        if max_rows < 1 or not 0.0 < weight <= 1.0:
+            raise ValueError(f"need max_rows >= 1 and 0 < weight <= 1, got {max_rows}, {weight}")
+        self.max_rows = max_rows
+        self.weight = weight
+        self._seconds = [0.0] * max_rows  # index rows - 1; 0.0: never observed
+        self._lock = threading.Lock()
+        self.observations = 0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """Record one forward over ``rows`` new tokens that took ``seconds`` (rows beyond
+        :attr:`max_rows` are not tracked)."""
+        if not 1 <= rows <= self.max_rows or seconds <= 0:
+            return
+        with self._lock:
+            previous = self._seconds[rows - 1]
+            self._seconds[rows - 1] = seconds if previous == 0.0 else previous + self.weight * (seconds - previous)
+            self.observations += 1
+
+    def seconds_by_rows(self) -> tuple[float, ...]:
+        """Seconds per forward over 1, 2, ... rows, up to the largest row count observed
+        (0.0 where a row count was not observed)."""
+        with self._lock:
+            observed = [index for index, value in enumerate(self._seconds) if value > 0.0]
+            return tuple(self._seconds[: observed[-1] + 1]) if observed else ()

@@ -1,0 +1,153 @@
+"""Live costs (issue 29, items 2-3): the services keep the forward times they observe by rows,
+and ``auto``'s cost model follows them — a calibration 10x off either way is corrected by
+the first forwards, and concurrent load moves the lookahead."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from disco.engines.live_costs import LiveCosts
+from disco.speculation.cost_model import CostModel
+from disco.speculation.live_model import corrected_curve, live_cost_model
+from disco.speculation.policies.auto import best_lookahead, speculation_pays
+
+#: A machine where a verification row is not free: the target's seconds over ``rows`` new
+#: tokens of all sessions in one forward, and the draft's.
+TRUE_TARGET = [0.080 + 0.003 * rows for rows in range(1, 200)]
+TRUE_DRAFT = [0.020 + 0.003 * rows for rows in range(1, 17)]
+TRUE = CostModel(t_draft=TRUE_DRAFT[0], t_verify=tuple(TRUE_TARGET[k] for k in range(9)))
+
+
+def _scaled(costs: CostModel, target: float, draft: float) -> CostModel:
+    return CostModel(t_draft=costs.t_draft * draft, t_verify=tuple(v * target for v in costs.t_verify))
+
+
+def test_live_costs_keep_a_decaying_average_per_row_count():
+    live = LiveCosts(max_rows=8, weight=0.25)
+    assert live.seconds_by_rows() == ()
+    live.observe(2, 0.4)
+    assert live.seconds_by_rows() == (0.0, 0.4)  # the first observation sets it; rows 1 not seen
+    live.observe(2, 0.8)
+    assert live.seconds_by_rows() == (0.0, pytest.approx(0.5))  # a quarter of the way
+    for _ in range(12):  # a level change is followed within a few forwards
+        live.observe(2, 0.8)
+    assert live.seconds_by_rows()[1] == pytest.approx(0.8, rel=0.02)
+    live.observe(9, 1.0)  # past max_rows: not tracked
+    live.observe(3, 0.0)  # not a timing
+    assert len(live.seconds_by_rows()) == 2 and live.observations == 14
+    with pytest.raises(ValueError):
+        LiveCosts(weight=0.0)
+
+
+def test_live_costs_are_thread_safe():
+    live = LiveCosts(max_rows=4)
+    threads = [threading.Thread(target=lambda: [live.observe(1 + i % 4, 0.1) for i in range(500)]) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert live.observations == 2000 and live.seconds_by_rows() == pytest.approx((0.1,) * 4)
+
+
+def test_rows_not_observed_follow_the_observed_ratio():
+    curve = corrected_curve(lambda rows: 1.0 * rows, [0.0, 20.0, 0.0, 40.0])  # observed: 10x the calibration
+    assert curve(2) == 20.0 and curve(4) == 40.0  # observed rows as observed
+    assert curve(1) == pytest.approx(10.0) and curve(7) == pytest.approx(70.0)  # the others scaled
+    assert corrected_curve(lambda rows: 3.0, [])(5) == 3.0  # nothing observed: the calibration
+
+
+@pytest.mark.parametrize("draft_factor, target_factor", [(10.0, 1.0), (0.1, 1.0), (1.0, 10.0), (1.0, 0.1),
+                                                         (10.0, 0.1)])
+def test_a_calibration_ten_times_off_is_corrected_by_the_first_forwards(draft_factor, target_factor):
+    """After one request's forwards (target: 1..4 rows, draft: 1 row) the decisions are
+    those of the true costs, whichever way the calibration was wrong."""
+    wrong = _scaled(TRUE, target_factor, draft_factor)
+    decisions = [(speculation_pays(costs, 8), best_lookahead(costs, acceptance, 8)[0])
+                 for costs in (TRUE, wrong) for acceptance in (0.6, 0.8, 0.95)]
+    assert decisions[:3] != decisions[3:]  # the wrong calibration decides otherwise
+    target_live = [TRUE_TARGET[rows - 1] if rows <= 4 else 0.0 for rows in range(1, 5)]
+    corrected = live_cost_model(wrong, target_live, TRUE_DRAFT[:1], sessions=1)
+    assert corrected.t_draft == pytest.approx(TRUE.t_draft)
+    assert corrected.t_verify == pytest.approx(TRUE.t_verify, rel=0.02)
+    assert [(speculation_pays(corrected, 8), best_lookahead(corrected, acceptance, 8)[0])
+            for acceptance in (0.6, 0.8, 0.95)] == decisions[:3]
+
+
+def test_load_shrinks_the_lookahead_and_stops_speculation():
+    """With n sessions in flight a verification of blocks of k is one target forward over
+    n * (k + 1) rows and a draft step one over n rows: blocks shrink as n grows and
+    speculation stops where no block pays; they return when the load falls."""
+    lookaheads = []
+    for sessions in (1, 2, 4, 8, 16, 1):
+        costs = live_cost_model(TRUE, TRUE_TARGET, TRUE_DRAFT, sessions=sessions)
+        assert costs.t_draft == pytest.approx(TRUE_DRAFT[sessions - 1])
+        assert costs.verify(2) == pytest.approx(TRUE_TARGET[3 * sessions - 1])
+        lookaheads.append(best_lookahead(costs, 0.8, 8)[0] if speculation_pays(costs, 8) else 0)
+    assert lookaheads[0] >= 3 and lookaheads[-1] == lookaheads[0]
+    assert lookaheads[:5] == sorted(lookaheads[:5], reverse=True) and lookaheads[4] == 0
+
+
+def test_without_observations_one_session_keeps_the_calibration():
+    assert live_cost_model(TRUE, (), (), sessions=1) is TRUE
+
+
+# -- through the real gRPC services -------------------------------------------------------
+
+#: A calibration 10x (and more) too slow for the tiny models: with it the draft cannot pay.
+SLOW_CALIBRATION = CostModel(t_draft=0.108, t_verify=(0.346, 0.575, 0.72, 0.873, 1.1, 1.25, 1.4, 1.5, 1.534))
+
+
+def test_the_services_observe_their_forwards_and_auto_follows_them_over_a_wrong_calibration(
+        target_model, drafts, tokenizer):
+    """Services started with a calibration far too slow for what they run: ``Info`` and
+    ``/metrics`` carry the forward times they observe, the first ``auto`` request drafts
+    although the calibration says drafting cannot pay (no draft forward was observed yet),
+    and from then on the orchestrator's cost model is the observed one, not the calibration;
+    every output equals target-only."""
+    import draft_service.server  # noqa: PLC0415
+    import target_service.server  # noqa: PLC0415
+    from disco.speculation.policies import PolicyFactory  # noqa: PLC0415
+    from disco.speculation.policies.learned import make_learned_loader  # noqa: PLC0415
+    from orchestrator.client import DiscoClient  # noqa: PLC0415
+    from tests.grpc_fixtures import CLIENT_TIMEOUT_S, loaded, start_orchestrator  # noqa: PLC0415
+    from tests.helpers import PROMPTS  # noqa: PLC0415
+
+    assert not speculation_pays(SLOW_CALIBRATION, 8)
+    target = target_service.server.serve(loaded(target_model, tokenizer, "tiny-target"),
+                                         forward_s=SLOW_CALIBRATION.t_verify)
+    draft = draft_service.server.serve(loaded(drafts["noisy"], tokenizer, "tiny-draft"),
+                                       policy_factory=PolicyFactory(make_learned_loader()),
+                                       forward_s=(SLOW_CALIBRATION.t_draft,))
+    orchestrator = start_orchestrator(tokenizer, draft.address, target.address)
+    backends = orchestrator.servicers[0].backends
+    try:
+        with DiscoClient(orchestrator.address, timeout=CLIENT_TIMEOUT_S) as client:
+            reference = client.generate(PROMPTS[0], policy="none", max_new_tokens=24, ignore_eos=True)
+            first = client.generate(PROMPTS[0], policy="auto", max_new_tokens=24, ignore_eos=True)
+            assert first.token_ids == reference.token_ids
+            assert first.stats["draft_tokens"] > 0  # explored: a calibration too slow must not stick
+            target_live = tuple(backends.describe("target").live_forward_s)
+            draft_live = tuple(backends.describe("draft").live_forward_s)
+            assert target_live and target_live[0] > 0 and draft_live and draft_live[0] > 0
+            backends._live_read_at = float("-inf")  # read the services' tables now, not a second later
+            live = backends.costs(1)
+            assert backends.calibrated_costs().t_draft == pytest.approx(SLOW_CALIBRATION.t_draft)
+            assert live.t_draft < SLOW_CALIBRATION.t_draft / 10 and live.verify(0) < SLOW_CALIBRATION.verify(0) / 10
+            assert live.verify(0) == pytest.approx(backends.live_costs()[0][0])
+            assert not backends.draft_unobserved()
+            for prompt in PROMPTS[1:3]:  # later requests: exact, decided by the observed costs
+                assert (client.generate(prompt, policy="auto", max_new_tokens=24, ignore_eos=True).token_ids
+                        == client.generate(prompt, policy="none", max_new_tokens=24, ignore_eos=True).token_ids)
+        metrics = target.metrics.exposition()
+        assert 'disco_forward_seconds_live{rows="1"}' in metrics
+    finally:
+        for server in (orchestrator, draft, target):
+            server.stop(0)
+
+
+def test_a_draft_not_observed_yet_moves_with_the_target():
+    target_live = [v / 10 for v in TRUE_TARGET[:3]]  # the machine is 10x faster than calibrated
+    costs = live_cost_model(TRUE, target_live, (), sessions=1)
+    assert costs.t_draft == pytest.approx(TRUE.t_draft / 10) and costs.verify(5) == pytest.approx(TRUE.verify(5) / 10)
