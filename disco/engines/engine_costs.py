@@ -200,7 +200,8 @@ def low_percentile(values: Sequence[float], percent: float = LOW_PERCENTILE) -> 
 def time_forwards(model: torch.nn.Module, context_tokens: int, sizes: Sequence[int], repeats: int,
                   progress: bool = False, label: str = "") -> tuple[dict[int, list[float]], float]:
     """The one timing harness: the engines' own forward path (:class:`CachedSequence`)
-    after ``context_tokens`` tokens of a fixed synthetic context, one forward over ``k``
+    after ``context_tokens`` tokens of a fixed synthetic context (prefilled once to warm up,
+    then again timed), one forward over ``k``
     new tokens per ``k`` in ``sizes``, rolled back after each timing; ``repeats`` rounds
     round-robin over the sizes after a warm-up round (a burst of load from other processes
     then hits one timing of several sizes rather than every timing of one size).
@@ -213,9 +214,13 @@ def time_forwards(model: torch.nn.Module, context_tokens: int, sizes: Sequence[i
     vocab = int(model.config.vocab_size)
     context = [(i * 7919) % (vocab - 1) + 1 for i in range(context_tokens)]
     samples: dict[int, list[float]] = {k: [] for k in sizes}
-    bar = tqdm(total=1 + (repeats + 1) * len(samples), unit="fwd", disable=not progress,
+    bar = tqdm(total=2 + (repeats + 1) * len(samples), unit="fwd", disable=not progress,
                desc=f"calibrating {label}".strip())
     with bar, torch.inference_mode():
+        # NOTE: the first call of a shape builds its kernels (oneDNN's bf16 primitives on an
+        # AMX Xeon: a 200-token prefill timed 2.7 s cold, 0.5 s warm), so one prefill warms up.
+        CachedSequence(model, [*context, context[-1]]).prefill()
+        bar.update(1)
         sequence = CachedSequence(model, [*context, context[-1]])
         started = time.perf_counter()
         sequence.prefill()  # the context is in the cache; one token stays pending

@@ -10,7 +10,7 @@ within a few forwards, one slow outlier moves it a quarter of the way). Prefill 
 not recorded: their cost is the prompt's, not a step's.
 
 The services report the table in ``Info`` (``live_forward_s``) and ``/metrics``; the
-orchestrator's ``auto`` cost model follows it (:func:`disco.speculation.cost_model.live_cost_model`).
+orchestrator's ``auto`` cost model follows it (:func:`disco.speculation.live_model.live_cost_model`).
 """
 
 from __future__ import annotations
