@@ -72,6 +72,9 @@ def run(args: argparse.Namespace) -> int:
     sampling.validate()
     SpeculationConfig(max_lookahead=args.max_lookahead).validate()
     dataset = load_dataset(args.dataset, args.limit)
+    if args.peer == "llamacpp":  # checked before --dtype auto may time the engines
+        _numbers(args.llamacpp_n_max, int, "--llamacpp-n-max", 1, 64)
+        _numbers(args.llamacpp_p_min, float, "--llamacpp-p-min", 0.0, 1.0)
     pair = pair_config_from_args(args)
     home = disco_home()
     llamacpp_settings = _llamacpp_settings(args, pair, home) if args.peer == "llamacpp" else None
