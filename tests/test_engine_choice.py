@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -17,14 +18,17 @@ from disco.engines.engine_costs import EngineCosts, costs_path, read_cached, req
 from disco.models.loading import model_fingerprint
 
 
-def _write_costs(home, fingerprint: str, engine: str, forward_ms: list[float], prefill_ms: float) -> None:
+def _write_costs(home, fingerprint: str, engine: str, forward_ms: list[float], prefill_ms: float,
+                 provisional: bool = False) -> EngineCosts:
     costs = EngineCosts(model="tiny", fingerprint=fingerprint, engine=engine, device="cpu",
                         threads=torch.get_num_threads(), context_tokens=request_for("target").context_tokens,
                         forward_s=tuple(ms / 1000 for ms in forward_ms), prefill_s=prefill_ms / 1000, repeats=5,
-                        torch_version=torch.__version__, measured_at=time.time())
+                        torch_version=torch.__version__, measured_at=time.time(), load_average=4.0 if provisional
+                        else 0.0, provisional=provisional)
     path = costs_path(home, fingerprint, engine, "cpu", torch.get_num_threads())
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(costs.to_json()))
+    return costs
 
 
 def _fingerprint(folder, home) -> str:
@@ -107,3 +111,25 @@ def test_the_cli_resolves_auto_once_at_the_entry_point(tiny_pair_dirs, monkeypat
     assert (split.target.dtype, split.draft.dtype) == ("bfloat16", "int4")
     cuda = pair_config_from_args(build_parser().parse_args(["generate", "--prompt", "x", "--device", "cuda"]))
     assert cuda.target.dtype == "bfloat16"
+
+
+def test_a_timing_taken_on_a_busy_machine_is_measured_again_once_quiet(tmp_path, tiny_pair_dirs, monkeypatch):
+    """A candidate timed while other processes shared the cores (provisional) must not decide
+    the engine for good: at a start on a quiet machine it is measured again."""
+    import disco.engines.engine_costs as engine_costs
+
+    fingerprint = _fingerprint(tiny_pair_dirs["draft"], tmp_path)
+    _write_costs(tmp_path, fingerprint, "int4", [400], 2000, provisional=True)  # 10x too slow: a busy start
+    int8 = _write_costs(tmp_path, fingerprint, "int8", [50], 300)
+    measured = []
+
+    def measure(spec, role, engine, device, home, progress):
+        measured.append(engine)
+        return replace(int8, engine=engine, forward_s=(0.02,), prefill_s=0.2)
+    monkeypatch.setattr(engine_choice, "_measure", measure)
+    monkeypatch.setattr(engine_costs, "_load_average", lambda: 3.0)  # still busy: the record stands
+    assert choose_engine("auto", str(tiny_pair_dirs["draft"]), "draft", "cpu", tmp_path) == "int8"
+    assert measured == []
+    monkeypatch.setattr(engine_costs, "_load_average", lambda: 0.1)  # quiet now
+    assert choose_engine("auto", str(tiny_pair_dirs["draft"]), "draft", "cpu", tmp_path) == "int4"
+    assert measured == ["int4"]

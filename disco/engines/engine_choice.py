@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from disco.config import ModelConfig
-from disco.engines.engine_costs import EngineCosts, load_or_measure, read_cached, request_for
+from disco.engines.engine_costs import EngineCosts, load_or_measure, read_cached, request_for, worth_remeasuring
 from disco.models.loading import load_model, model_fingerprint
 from disco.platform import resolve_dtype
 
@@ -67,7 +67,7 @@ def choose_engine(requested: str, spec: str | None, role: str, device: str, home
     for engine in CPU_CANDIDATES[role]:
         costs = None if fingerprint is None else read_cached(home, fingerprint, engine, device, threads,
                                                              request_for(role))
-        if costs is None:
+        if costs is None or worth_remeasuring(costs):  # a busy start's timing is measured again when quiet
             costs = _measure(spec, role, engine, device, home, progress)
         timed[engine] = typical_request_s(costs, role)
     chosen = min(timed, key=timed.get)

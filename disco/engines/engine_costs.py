@@ -304,11 +304,11 @@ def load_or_measure(model: torch.nn.Module, *, name: str, fingerprint: str, engi
     request.validate(max_context)
     threads = torch.get_num_threads()
     key = (home, fingerprint, engine, device, threads)
-    if not force and (cached := read_cached(*key, request)) is not None and not _worth_remeasuring(cached):
+    if not force and (cached := read_cached(*key, request)) is not None and not worth_remeasuring(cached):
         return cached
     with machine_lock(home) if lock else _no_lock():
         cached = None if force else read_cached(*key, request)  # measured meanwhile?
-        if cached is not None and not _worth_remeasuring(cached):
+        if cached is not None and not worth_remeasuring(cached):
             return cached
         load_average = _load_average()
         logger.info("measuring the forward costs of %s (%s, %s, %d threads; once, cached in %s) ...",
@@ -352,7 +352,7 @@ def measure_loaded(loaded, config, role: str, home: Path, **options) -> EngineCo
                            device=config.device, home=home, request=request_for(role), **options)
 
 
-def _worth_remeasuring(cached: EngineCosts) -> bool:
+def worth_remeasuring(cached: EngineCosts) -> bool:
     """Whether ``cached`` was taken under contention (provisional, or an overloaded machine)
     and the machine is quiet now (load average below half its cores).
 
