@@ -30,7 +30,7 @@ class RequestStats:
     finish_reason: str = ""
     draft_fallbacks: int = 0  # times the draft service failed and the request went on target-only
     target_reprefills: int = 0  # times the target session was re-created from the committed tokens
-    draft_reprefills: int = 0  # times a failed draft replica's session was re-created on another one
+    draft_reprefills: int = 0  # draft session re-created: a failed replica's on another, or after blocks skipped under load
     # Of draft_s / verify_s: the time the drafter / verifier itself reported (server-side
     # timings over gRPC); the rest is what the transport and the loop added.
     backend_draft_s: float = 0.0

@@ -126,7 +126,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                                              self.limits.max_new_tokens, costs=costs,
                                              parallel_prefill=True,  # the services have their own devices
                                              explore_draft=costs is not None and not draft_down
-                                             and self.backends.draft_unobserved())
+                                             and self.backends.draft_unobserved(),
+                                             costs_now=None if costs is None else
+                                             lambda: self.backends.costs(self._active))
             events = generator.stream(prompt_ids, sampling, speculation)
             yield from self.metrics.observe(_with_failovers(events, sticky_drafter, verifier))
 

@@ -98,3 +98,25 @@ def test_int4_load_is_cached_apart_from_int8(tiny_pair_dirs, tmp_path, monkeypat
     ids = torch.tensor([[5, 9, 33, 2, 7]])
     with torch.inference_mode():
         assert torch.equal(first.model(input_ids=ids).logits, second.model(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_gemms_in_either_dtype_multiply_by_the_layers_weights(dtype):
+    """A prefill span's dense GEMM (float32, or bf16 where the CPU measures it faster)
+    computes with the layer's own weights; the choice is made at load for every layer."""
+    from disco.models.weight_only import choose_dense_dtype  # noqa: PLC0415
+
+    torch.manual_seed(3)
+    module = Int4Linear.from_weight(torch.randn(608, 256) * 0.05, torch.randn(608) * 0.01)  # 2 slices of 512
+    module.dense_dtype = dtype
+    x = torch.randn(64, 256, dtype=torch.bfloat16)
+    with dense_prefill([(0, 64)]):
+        out = module(x)
+    expected = x.float() @ module.dequantized().T + module.bias.float()
+    assert torch.allclose(out.float(), expected, atol=0.02 * float(expected.abs().max()), rtol=0.02)
+    with dense_prefill([(0, 64)]):
+        assert torch.equal(module(x)[:32], module(x)[:32])  # the same span gives the same bits
+    model = torch.nn.Sequential(module, Int4Linear.from_weight(torch.randn(256, 608) * 0.05))
+    line = choose_dense_dtype(model)
+    assert line.startswith("prefill GEMMs in ") and len({m.dense_dtype for m in model}) == 1
+    assert str(model[0].dense_dtype).removeprefix("torch.") in line

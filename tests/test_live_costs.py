@@ -151,3 +151,33 @@ def test_a_draft_not_observed_yet_moves_with_the_target():
     target_live = [v / 10 for v in TRUE_TARGET[:3]]  # the machine is 10x faster than calibrated
     costs = live_cost_model(TRUE, target_live, (), sessions=1)
     assert costs.t_draft == pytest.approx(TRUE.t_draft / 10) and costs.verify(5) == pytest.approx(TRUE.verify(5) / 10)
+
+
+# -- the decision per block, as the load changes -------------------------------------------
+
+#: A deployment where drafting pays (verification nearly free) and one where it does not.
+PAYS = CostModel(t_draft=0.01, t_verify=(0.1,) * 9)
+DOES_NOT_PAY = CostModel(t_draft=0.2, t_verify=tuple(0.1 * (k + 1) for k in range(9)))
+
+
+@pytest.mark.parametrize("draft_kind", ["noisy", "same"])
+def test_blocks_become_target_only_steps_under_load_and_the_draft_catches_up_when_it_falls(
+        target_model, drafts, tokenizer, draft_kind):
+    """``auto`` asks the costs at the current load before every block: while no lookahead
+    pays the block is a target-only step, and when speculation pays again the draft session
+    is started anew from the request's tokens; the output equals target-only."""
+    from disco.config import SamplingParams, SpeculationConfig  # noqa: PLC0415
+    from tests.helpers import PROMPTS, local_generator  # noqa: PLC0415
+
+    generator = local_generator(target_model, drafts[draft_kind], tokenizer)
+    loads = iter([PAYS] * 3 + [DOES_NOT_PAY] * 4 + [PAYS] * 100)
+    generator.costs, generator.costs_now = PAYS, lambda: next(loads)
+    sampling = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    ids = tokenizer(PROMPTS[1])["input_ids"]
+    reference = generator.generate(ids, sampling, SpeculationConfig(policy="none"))
+    result = generator.generate(ids, sampling, SpeculationConfig(policy="auto"))
+    assert result.token_ids == reference.token_ids
+    lookaheads = result.stats.lookaheads
+    assert all(k > 0 for k in lookaheads[:3]) and lookaheads[3:7] == [0, 0, 0, 0]
+    assert any(k > 0 for k in lookaheads[7:])  # speculating again after the load fell
+    assert result.stats.draft_reprefills == 1  # the draft session caught up once

@@ -32,6 +32,8 @@ from torch import nn
 DENSE_MIN_ROWS = 48
 #: Output channels converted to float32 at once by a dense GEMM.
 DENSE_CHUNK = 512
+#: Prefill GEMMs run in bf16 only where they measure at most this fraction of float32's time.
+DENSE_BF16_MARGIN = 0.9
 
 # Row spans ``(start, end)`` of the forward in flight that run dense; set by
 # :func:`dense_prefill`, per thread and context (like torch's grad mode).
@@ -87,7 +89,7 @@ def chunked_gemm(rows: torch.Tensor,  # [n, in_features], any float dtype
         end = min(start + DENSE_CHUNK, out_features)
         fill_slice(start, end, buffer[:end - start])
         weights = rounded[:end - start]
-        if weights is not buffer[:end - start]:
+        if dtype != torch.float32:
             weights.copy_(buffer[:end - start])
         out[:, start:end] = inputs @ weights.T
     return out
@@ -96,7 +98,8 @@ def chunked_gemm(rows: torch.Tensor,  # [n, in_features], any float dtype
 def choose_dense_dtype(model: nn.Module, rows: int = 128) -> str:
     """Time a prefill-sized GEMM of the model's largest weight-only linear in float32 and in
     bfloat16 (:func:`chunked_gemm`, best of 3 each, interleaved) and give every weight-only
-    linear the faster one (bf16 where the CPU multiplies bf16 in hardware: AMX, AVX-512-BF16).
+    linear bf16 where it is clearly faster (:data:`DENSE_BF16_MARGIN`; the CPU multiplies bf16
+    in hardware: AMX, AVX-512-BF16), else float32.
     A prefill block's bits depend only on its own rows either way. Returns a line for the
     load log."""
     linears = [module for module in model.modules() if isinstance(module, WeightOnlyLinear)]
@@ -113,7 +116,10 @@ def choose_dense_dtype(model: nn.Module, rows: int = 128) -> str:
                 started = time.perf_counter()
                 probe._dense(inputs)
                 timings.append(time.perf_counter() - started)
-    best = min(seconds, key=lambda dtype: min(seconds[dtype]))
+    # bf16 must win clearly: where both cost about the same, noise must not flip a restart's
+    # prefill numerics (a near-tie could then differ between two starts or two replicas).
+    best = torch.bfloat16 if min(seconds[torch.bfloat16]) < DENSE_BF16_MARGIN * min(seconds[torch.float32]) \
+        else torch.float32
     for module in linears:
         module.dense_dtype = best
     return (f"prefill GEMMs in {str(best).removeprefix('torch.')} (measured {rows} rows x "

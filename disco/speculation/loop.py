@@ -17,7 +17,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterator, Sequence, Union
+from typing import Callable, Iterator, Sequence, Union
 
 import torch
 
@@ -75,6 +75,7 @@ class SpeculativeGenerator:
         costs: CostModel | None = None,
         parallel_prefill: bool = False,
         explore_draft: bool = False,
+        costs_now: Callable[[], CostModel | None] | None = None,
     ) -> None:
         """``costs``: the measured engine costs of this deployment; ``auto`` and ``disco:``
         policies read them (:func:`disco.speculation.policies.auto.with_costs`; without them both are
@@ -84,7 +85,12 @@ class SpeculativeGenerator:
         ``explore_draft``: ``auto`` drafts even where ``costs`` say it cannot pay (its rate rule
         still stops each block as early as the costs say), so that the draft's live costs
         get observed; the orchestrator sets it while none were (a draft calibration too high
-        would otherwise never be corrected)."""
+        would otherwise never be corrected). ``costs_now``: the deployment's costs at the
+        current load (the orchestrator's live cost model, :mod:`disco.speculation.live_model`),
+        asked before every block of an ``auto`` request that speculates: where no lookahead
+        pays at this load the block is a target-only step (the draft session is left behind),
+        and when speculation pays again the draft session is started anew from the request's
+        tokens (one draft prefill)."""
         self.drafter = drafter
         self.verifier = verifier
         self.decode = decode
@@ -93,6 +99,7 @@ class SpeculativeGenerator:
         self.costs = costs
         self.parallel_prefill = parallel_prefill
         self.explore_draft = explore_draft
+        self.costs_now = costs_now
 
     def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
                  speculation: SpeculationConfig) -> GenerationResult:
@@ -130,7 +137,8 @@ class SpeculativeGenerator:
         if spec.name == "oracle":  # analysis only: the target's own output first
             reference_ids = self.generate(
                 prompt_ids, sampling, dataclasses.replace(speculation, policy="none")).token_ids
-        return self._run(list(prompt_ids), sampling, speculation, spec.uses_draft, reference_ids)
+        load_aware = self.costs_now is not None and spec.name == "auto" and spec.uses_draft
+        return self._run(list(prompt_ids), sampling, speculation, spec.uses_draft, reference_ids, load_aware)
 
     def resolve_auto(self, max_lookahead: int) -> str:
         """``auto`` for one request: ``none`` where the measured costs say no lookahead can
@@ -142,7 +150,8 @@ class SpeculativeGenerator:
         return with_costs("auto", self.costs)
 
     def _run(self, prompt_ids: list[int], sampling: SamplingParams, speculation: SpeculationConfig,
-             uses_draft: bool, reference_ids: list[int] | None) -> Iterator[GenerationEvent]:
+             uses_draft: bool, reference_ids: list[int] | None, load_aware: bool = False
+             ) -> Iterator[GenerationEvent]:
         started = time.perf_counter()
         stats = RequestStats(prompt_tokens=len(prompt_ids))
         detokenizer = IncrementalDetokenizer(
@@ -167,11 +176,25 @@ class SpeculativeGenerator:
                                                    reference_ids, stats)
             stats.prefill_s = time.perf_counter() - started
             feedback: Feedback | None = None
+            draft_behind = False  # the draft session misses tokens (blocks skipped under load)
             while not finish_reason:
                 # 2. Draft: never more than can still be used (remaining tokens - bonus).
                 lookahead_cap = min(speculation.max_lookahead, sampling.max_new_tokens - len(generated) - 1)
                 draft_ids: list[int] = []
                 draft_probs: list[torch.Tensor] = []
+                if uses_draft and lookahead_cap > 0 and load_aware:
+                    # 2.0 Under load a verification row costs more: where no lookahead pays now,
+                    # this block is a target-only step; the draft catches up when it pays again.
+                    costs = self.costs_now()
+                    if costs is not None and not speculation_pays(costs, lookahead_cap):
+                        draft_behind, lookahead_cap = True, 0
+                    elif draft_behind:
+                        self._end_quietly(self.drafter, session_id)
+                        uses_draft = self._start_draft(session_id, prompt_ids + generated,
+                                                       draft_sampling.resumed_after(len(generated)),
+                                                       speculation, None, stats)
+                        draft_behind, feedback = False, None
+                        stats.draft_reprefills += 1
                 if uses_draft and lookahead_cap > 0:
                     draft_started = time.perf_counter()
                     try:
@@ -227,15 +250,19 @@ class SpeculativeGenerator:
                 yield TokenChunk(token_ids=chunk_ids, text=chunk_text)
         finally:
             for service in sessions_started:
-                try:
-                    service.end_session(session_id)
-                except Exception:  # noqa: BLE001 - freeing is best effort; the result stands
-                    pass
+                self._end_quietly(service, session_id)
         stats.generated_tokens = len(generated)
         stats.finish_reason = finish_reason
         stats.wall_s = time.perf_counter() - started
         yield GenerationResult(token_ids=generated, text=detokenizer.text, finish_reason=finish_reason,
                                stats=stats)
+
+    @staticmethod
+    def _end_quietly(service, session_id: str) -> None:
+        try:
+            service.end_session(session_id)
+        except Exception:  # noqa: BLE001 - freeing is best effort; the result stands
+            pass
 
     # -- draft side helpers: a failing draft service never fails the request ------------
 
