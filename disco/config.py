@@ -13,8 +13,11 @@ MAX_LOOKAHEAD_LIMIT = 64
 #: The engines a model can run as; "int8" / "int4" are int8 / group-wise int4 weight-only
 #: with bfloat16 activations.
 ENGINE_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
-#: What ``--dtype`` accepts: an engine, or "auto" (on a CPU int4 for the draft; for the
-#: target bf16 where the hardware computes in it, else int8; bf16 on CUDA).
+#: The weight-only engines: their kernels are torch's CPU ops (``_weight_int8pack_mm``,
+#: ``_weight_int4pack_mm_for_cpu``), so a CUDA device refuses them.
+CPU_ONLY_DTYPES = ("int8", "int4")
+#: What ``--dtype`` accepts: an engine, or "auto" (bf16 on CUDA; on a CPU the candidate
+#: engines timed on the machine: disco.engines.engine_choice).
 DTYPE_CHOICES = ("auto", *ENGINE_DTYPES)
 
 
@@ -119,6 +122,9 @@ class ModelConfig:
             raise InvalidRequest(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
             raise InvalidRequest(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if self.dtype in CPU_ONLY_DTYPES and self.device != "cpu":
+            raise InvalidRequest(f"the {self.dtype} engine runs on a CPU only (its kernels are torch's CPU "
+                                 f"weight-only ops); on {self.device} use bfloat16, float16 or float32")
 
 
 @dataclass(frozen=True)

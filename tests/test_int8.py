@@ -255,3 +255,12 @@ def test_model_config_accepts_int8_and_refuses_unresolved_auto():
         ModelConfig(dtype="auto").validate()
     with pytest.raises(InvalidRequest, match="dtype must be one of"):
         ModelConfig(dtype="int2").validate()
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_weight_only_engines_are_refused_on_cuda_with_the_engines_that_run_there(dtype):
+    ModelConfig(dtype=dtype, device="cpu").validate()
+    for device in ("cuda", "cuda:1"):
+        with pytest.raises(InvalidRequest, match="CPU only.*bfloat16, float16 or float32"):
+            ModelConfig(dtype=dtype, device=device).validate()
+    ModelConfig(dtype="bfloat16", device="cuda").validate()

@@ -86,3 +86,19 @@ def test_rejection_sampling_identical_distributions_accepts_everything():
     for _ in range(200):
         draft_ids = [int(torch.multinomial(probs[i], 1, generator=generator)) for i in range(3)]
         assert rejection_sample(draft_ids, probs[:3], probs, generator)[0] == 3
+
+
+def test_the_generator_lives_on_the_models_device(target_model):
+    """torch.multinomial needs its generator on the device of the probabilities; the engines
+    create each session's generator on their model's device (the CPU here, a GPU there)."""
+    from disco.config import SamplingParams  # noqa: PLC0415
+    from disco.engines.target import TargetEngine  # noqa: PLC0415
+    from disco.speculation.sampling import make_generator  # noqa: PLC0415
+
+    assert make_generator(None) is None
+    assert make_generator(7, "cpu").device.type == "cpu"
+    engine = TargetEngine(target_model)
+    engine.start_session("s", [1, 2, 3], SamplingParams(temperature=1.0, seed=5))
+    session = engine.sessions.get("s")
+    assert session.generator.device == next(target_model.parameters()).device
+    engine.end_session("s")

@@ -101,10 +101,10 @@ class DraftEngine:
         self.sessions.check_capacity()  # before paying for a prefill
         policy = self.policy_factory.build(policy_spec, reference_ids)
         session = DraftSession(
-            sequence=CachedSequence(self.model, prompt_ids),
+            sequence=(sequence := CachedSequence(self.model, prompt_ids)),
             policy=policy,
             sampling=sampling,
-            generator=make_generator(sampling.seed),
+            generator=make_generator(sampling.seed, sequence.device),
             overlap=self.overlap if overlap is None else overlap,
         )
         self.batcher.prefill(session.sequence)  # batched with concurrent prefills

@@ -52,9 +52,9 @@ class TargetEngine:
             raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})")
         self.sessions.check_capacity()  # before paying for a prefill
         session = TargetSession(
-            sequence=CachedSequence(self.model, prompt_ids),
+            sequence=(sequence := CachedSequence(self.model, prompt_ids)),
             sampling=sampling,
-            generator=make_generator(sampling.seed),
+            generator=make_generator(sampling.seed, sequence.device),
         )
         self.batcher.prefill(session.sequence)  # batched with concurrent prefills
         self.sessions.add(session_id, session)

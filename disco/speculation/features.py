@@ -174,7 +174,8 @@ class FeatureExtractor:
                 if signals.hidden is None:
                     raise InvalidRequest("hidden-state features need the draft's hidden state per token")
                 hidden = signals.hidden
-                hidden = hidden.float().numpy() if hasattr(hidden, "numpy") else np.asarray(hidden)
+                # NOTE: the draft's hidden state lives on the model's device (a GPU): to the host first
+                hidden = hidden.detach().float().cpu().numpy() if hasattr(hidden, "numpy") else np.asarray(hidden)
                 assert self.projection is not None
                 values.extend(float(v) for v in self.projection.apply(hidden))
         block.cum_log_p1 = cum_log_p1

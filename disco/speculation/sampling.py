@@ -96,10 +96,12 @@ def rejection_sample(
     return len(draft_token_ids), sample_token(target_probs[len(draft_token_ids)], generator)
 
 
-def make_generator(seed: int | None) -> torch.Generator | None:
-    """A CPU generator seeded for reproducible sampling, or None for greedy/unseeded."""
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A generator on ``device`` (the model's: ``torch.multinomial`` needs the generator on
+    the device of the probabilities it samples) seeded for reproducible sampling, or None for
+    greedy/unseeded."""
     if seed is None:
         return None
-    generator = torch.Generator()
+    generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return generator
