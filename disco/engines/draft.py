@@ -100,8 +100,9 @@ class DraftEngine:
         sampling.validate()
         self.sessions.check_capacity()  # before paying for a prefill
         policy = self.policy_factory.build(policy_spec, reference_ids)
+        sequence = CachedSequence(self.model, prompt_ids)
         session = DraftSession(
-            sequence=(sequence := CachedSequence(self.model, prompt_ids)),
+            sequence=sequence,
             policy=policy,
             sampling=sampling,
             generator=make_generator(sampling.seed, sequence.device),

@@ -51,8 +51,9 @@ class TargetEngine:
         if any(not 0 <= token < self.vocab_size for token in prompt_ids):
             raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})")
         self.sessions.check_capacity()  # before paying for a prefill
+        sequence = CachedSequence(self.model, prompt_ids)
         session = TargetSession(
-            sequence=(sequence := CachedSequence(self.model, prompt_ids)),
+            sequence=sequence,
             sampling=sampling,
             generator=make_generator(sampling.seed, sequence.device),
         )
