@@ -23,6 +23,11 @@ Two numeric promises, and how they are kept:
    A prefill (the prompt, no logits) keeps the one-call causal attention: both decoding
    and speculation prefill the same way.
 
+   How those queries attend is an :class:`~disco.engines.varlen_attention.AttentionPlan`:
+   the reference above (one sdpa per query; the CPU's plan, by measurement) or every such
+   query of every session in one sdpa call per layer (:mod:`disco.engines.varlen_attention`;
+   CUDA's plan), bit-identical alone and packed within each plan.
+
 With both, greedy speculative output in bf16 equals target-only output wherever the row
 plans hold (measured: AVX2, AMX and AVX-512-BF16 CPUs, bf16 and int8/int4; float32 GEMM
 is not row-invariant on AVX2, its ~1e-6 differences stay far below a flip).
@@ -39,10 +44,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from transformers import DynamicCache
+from transformers.cache_utils import Cache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, create_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from disco.engines.varlen_attention import AttentionPlan, QueryLayout, attention_plan, one_call_attention, query_layout
 from disco.models.weight_only import DENSE_MIN_ROWS, dense_prefill
 
 _NAME = "disco_packed_sdpa"
@@ -54,14 +60,15 @@ class SessionRows:
     """One session's part of a packed forward.
 
     Attributes:
-        cache: the session's KV cache (covers ``cache_len`` tokens; extended in place).
+        cache: the session's KV cache (covers ``cache_len`` tokens; extended in place): a
+            :class:`~disco.engines.static_kv.PreallocatedCache` or any transformers cache.
         cache_len: tokens the cache covers before this forward.
         tokens: the tokens to feed.
         num_logits: logits wanted for the last ``num_logits`` fed tokens; 0 for a prefill.
         want_hidden: also return the last hidden states of those positions.
     """
 
-    cache: DynamicCache
+    cache: Cache
     cache_len: int
     tokens: Sequence[int]
     num_logits: int
@@ -88,15 +95,18 @@ def supports_packing(model: torch.nn.Module) -> bool:
 
 
 @torch.inference_mode()
-def packed_forward(model: torch.nn.Module, sessions: Sequence[SessionRows]
+def packed_forward(model: torch.nn.Module, sessions: Sequence[SessionRows], plan: AttentionPlan | None = None
                    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """Feed every session's tokens in one forward; extend each session's cache.
 
     Returns, per session, its logits ``[num_logits, vocab]`` (float32; empty for a
     prefill) and, if asked, the matching last hidden states ``[num_logits, hidden]``.
-    The model must pass :func:`supports_packing`.
+    The model must pass :func:`supports_packing`. ``plan``: how the queries that ask for
+    logits attend (default: :func:`~disco.engines.varlen_attention.attention_plan` of the
+    model's device; the same plan must serve decoding and verification).
     """
-    input_ids, position_ids, packed_cache = _packed_inputs(model, sessions)
+    device = next(model.parameters()).device
+    input_ids, position_ids, packed_cache = _packed_inputs(model, sessions, plan or attention_plan(device))
     # A ready-made 4D mask is passed through untouched by transformers' mask builders, so
     # no mask is built for the packed row; the attention applies each session's own mask.
     unused_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=input_ids.device)
@@ -125,7 +135,7 @@ def packed_forward(model: torch.nn.Module, sessions: Sequence[SessionRows]
 
 @dataclass
 class _Span:
-    cache: DynamicCache
+    cache: Cache
     start: int  # first row of the session in the packed input
     end: int
     mask: torch.Tensor | None  # what the session's own block attention gets (prefill)
@@ -135,10 +145,13 @@ class _Span:
 class PackedCache:
     """Stands in for the model's cache during a packed forward: ``update`` appends each
     session's slice of the new keys/values to the session's own cache; the attention
-    function reads the per-session states back."""
+    function reads the per-session states back. With a one-call ``plan`` it also holds the
+    layout of the queries that ask for logits (built once, used by every layer)."""
 
-    def __init__(self, spans: list[_Span]) -> None:
+    def __init__(self, spans: list[_Span], plan: AttentionPlan, layout: QueryLayout | None) -> None:
         self.spans = spans
+        self.plan = plan
+        self.layout = layout  # None: no query asks for logits, or the reference plan
         self._states: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor,  # [1, kv_heads, rows, head_dim]
@@ -153,7 +166,7 @@ class PackedCache:
         return self._states[layer_idx]
 
 
-def _packed_inputs(model: torch.nn.Module, sessions: Sequence[SessionRows]
+def _packed_inputs(model: torch.nn.Module, sessions: Sequence[SessionRows], plan: AttentionPlan
                    ) -> tuple[torch.Tensor, torch.Tensor, PackedCache]:
     device = next(model.parameters()).device
     dtype = model.get_input_embeddings().weight.dtype
@@ -172,32 +185,69 @@ def _packed_inputs(model: torch.nn.Module, sessions: Sequence[SessionRows]
         position_ids.append(positions)
         row += count
     ids = torch.tensor([input_ids], dtype=torch.long, device=device)
-    return ids, torch.cat(position_ids, dim=1), PackedCache(spans)
+    one_query = [(rows, span) for rows, span in zip(sessions, spans)
+                 if span.one_query_at_a_time and span.end > span.start]
+    layout = None
+    if plan.one_call and one_query:
+        config = model.config.get_text_config(decoder=True)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        layout = query_layout([rows.cache_len + len(rows.tokens) for rows, _ in one_query],
+                              [len(rows.tokens) for rows, _ in one_query], kv_heads,
+                              int(config.num_attention_heads) // kv_heads, plan.key_granule, device)
+    return ids, torch.cat(position_ids, dim=1), PackedCache(spans, plan, layout)
 
 
 def _packed_attention(module: torch.nn.Module, query: torch.Tensor,  # query: [1, heads, rows, head_dim]
                       key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
                       **kwargs) -> tuple[torch.Tensor, None]:
-    """sdpa, per session and (for a block that asks for logits) per query."""
+    """sdpa per prefill block; the queries that ask for logits one at a time (reference) or
+    all in one call (:mod:`disco.engines.varlen_attention`), as the packed cache's plan says."""
     sdpa = ALL_ATTENTION_FUNCTIONS[_BASE]
     packed: PackedCache | None = kwargs.pop("packed_cache", None)
     if packed is None:
         return sdpa(module, query, key, value, attention_mask, **kwargs)
+    states = packed.session_states(module.layer_idx)
+    one_call = None
+    if packed.layout is not None:
+        chosen = [(span, kv) for span, kv in zip(packed.spans, states)
+                  if span.one_query_at_a_time and span.end > span.start]
+        rows = torch.cat([query[:, :, span.start: span.end] for span, _ in chosen], dim=2)  # [1, heads, queries, dim]
+        scaling = kwargs.get("scaling") or module.scaling
+        one_call = iter(one_call_attention(rows, [kv[0] for _, kv in chosen], [kv[1] for _, kv in chosen],
+                                           packed.layout, scaling, packed.plan)
+                        .split([span.end - span.start for span, _ in chosen], dim=1))  # each [1, k, heads, dim]
     outputs = []
-    for span, (session_keys, session_values) in zip(packed.spans, packed.session_states(module.layer_idx)):
-        if span.one_query_at_a_time:  # query i sees the keys up to its own position, as in decoding
-            # NOTE: in float32 — a one-query attention in bf16 is ~6x slower on CPUs without
-            # bf16 arithmetic (AVX2: 0.9 vs 0.15 ms per layer for 200 keys), and more exact.
-            queries = query[:, :, span.start: span.end].float()
-            session_keys, session_values = session_keys.float(), session_values.float()
-            first_key_end = session_keys.shape[2] - (span.end - span.start) + 1
-            for offset in range(span.end - span.start):
-                keys_end = first_key_end + offset
-                output, _ = sdpa(module, queries[:, :, offset: offset + 1], session_keys[:, :, :keys_end],
-                                 session_values[:, :, :keys_end], None, **kwargs)
-                outputs.append(output.to(query.dtype))  # [1, 1, heads, head_dim]
-        elif span.end > span.start:
+    for span, (session_keys, session_values) in zip(packed.spans, states):
+        if span.end == span.start:
+            continue
+        if span.one_query_at_a_time and one_call is not None:
+            outputs.append(next(one_call))
+        elif span.one_query_at_a_time:  # the reference: query i sees the keys up to its own position, as in decoding
+            outputs.extend(_one_query_at_a_time(module, query[:, :, span.start: span.end], session_keys,
+                                                session_values, packed.plan, **kwargs))
+        else:
             output, _ = sdpa(module, query[:, :, span.start: span.end], session_keys, session_values, span.mask,
                              **kwargs)
             outputs.append(output)  # [1, k, heads, head_dim]
     return torch.cat(outputs, dim=1), None
+
+
+def _one_query_at_a_time(module: torch.nn.Module, queries: torch.Tensor,  # [1, heads, k, head_dim]
+                         session_keys: torch.Tensor, session_values: torch.Tensor,  # [1, kv_heads, keys, head_dim]
+                         plan: AttentionPlan, **kwargs) -> list[torch.Tensor]:
+    """The reference: one sdpa per query over exactly the keys up to its position (each
+    output ``[1, 1, heads, head_dim]``)."""
+    sdpa = ALL_ATTENTION_FUNCTIONS[_BASE]
+    dtype = queries.dtype
+    # NOTE: in float32 on the CPU — a one-query attention in bf16 is ~6x slower on CPUs without
+    # bf16 arithmetic (AVX2: 0.9 vs 0.15 ms per layer for 200 keys), and more exact.
+    compute = plan.compute_dtype or dtype
+    queries, session_keys, session_values = queries.to(compute), session_keys.to(compute), session_values.to(compute)
+    first_key_end = session_keys.shape[2] - queries.shape[2] + 1
+    outputs = []
+    for offset in range(queries.shape[2]):
+        keys_end = first_key_end + offset
+        output, _ = sdpa(module, queries[:, :, offset: offset + 1], session_keys[:, :, :keys_end],
+                         session_values[:, :, :keys_end], None, **kwargs)
+        outputs.append(output.to(dtype))  # [1, 1, heads, head_dim]
+    return outputs

@@ -1,0 +1,198 @@
+"""One attention call per layer for every query of a packed forward that asks for logits.
+
+The reference (:func:`disco.engines.packed_forward._packed_attention`, ``one_call=False``)
+attends each decoded or verified query on its own: one sdpa per query, per session, per
+layer, over exactly the keys up to the query's position. That is what makes a verified
+block give the logits of one-token decoding, and a packed batch give each session its solo
+bits, but it costs ``sum of block sizes`` kernel launches per layer.
+
+Here every such query of every session is one item of a single batched sdpa call:
+
+* the items are the sessions, with their keys gathered from the caches into
+  ``[sessions, kv_heads, padded_keys, head_dim]`` (one ``index_select`` of the concatenated
+  caches; padding slots read a zero row); a session's queries ride in the head dimension
+  (:class:`QueryLayout`), so every (item, head) is a one-row attention like a decoding step's,
+  and a boolean mask ``[sessions, heads, 1, padded_keys]`` gives each query its own keys up to
+  its position (putting a block's queries in the rows instead would make the kernel's GEMMs
+  take several rows, whose bits may depend on the row count);
+* ``padded_keys`` is a multiple of :data:`KEY_GRANULE` (64), and so is the padding of a query
+  run alone. That is what keeps a query's bits independent of its neighbours: the CPU flash
+  kernel takes the exponentials of a key block's tail (``len % vector width``) with a scalar
+  ``exp`` and the rest with a vectorised one, so padding a query's keys by an amount that is
+  not a multiple of the vector width changes its bits (measured: 1-5 of 16 queries keep their
+  bits when padded to the longest neighbour, in float32 and bf16); padded to multiples of 64
+  keys, every query kept its bits whatever the neighbours (20 queries of 1-1100 keys,
+  1 and 2 threads, 0-5 extra granules of padding; float32 and bf16; and 12 sessions of 1-5
+  queries against their token-by-token solo runs). Masked keys add exact
+  zeros (``exp(-inf) = 0``, rescale factors of exactly 1), so extra granules change nothing.
+
+The contract is therefore *bit identity within this path*: a query gives the same bits alone
+(decoding: one session, one query) and inside a packed batch or a verification block. It is
+not bit-identical to the per-query reference (padded, the tail rounds differently: within
+~1e-6 in float32); both paths are exact on their own, and an engine uses one of them for
+decoding and verification alike (:func:`attention_plan` decides per device type).
+
+On the CPU this path measured slower than the reference at every shape tried, so the CPU keeps
+the reference (:func:`attention_plan`). On CUDA the call runs in the model's dtype (flash /
+memory-efficient kernels); with a mask those kernels take no ``enable_gqa``, so keys are
+repeated per query head there (:attr:`AttentionPlan.kernel_gqa`). NOTE: the CUDA bit identity rests on the same argument
+(blocks aligned at key 0, masked keys adding zeros) but has not been run on a GPU here; the
+packing proof (:mod:`disco.engines.packing_proof`) checks solo vs packed at engine start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+#: Padded key counts are multiples of this (>= every CPU vector width in floats: 16 on AVX-512).
+KEY_GRANULE = 64
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """How a packed forward attends the queries that ask for logits.
+
+    Attributes:
+        one_call: one batched call per layer (:func:`one_call_attention`); else the
+            reference, one sdpa per query.
+        compute_dtype: dtype of the attention arithmetic; ``None`` = the model's dtype.
+        kernel_gqa: the kernel takes fewer key heads than query heads (``enable_gqa``);
+            else the gathered keys are repeated per query head.
+        key_granule: padded key counts are multiples of this.
+    """
+
+    one_call: bool
+    compute_dtype: torch.dtype | None
+    kernel_gqa: bool = True
+    key_granule: int = KEY_GRANULE
+
+
+def attention_plan(device: torch.device | str) -> AttentionPlan:
+    """The plan for a device type, chosen by measurement (docs/engines.md, "Packed attention").
+
+    CPU: the reference (one sdpa per query, float32). Measured on the 2-core AVX-512 Xeon,
+    1 thread, shared machine (load ~7), fastest of 3 runs, Qwen2.5-1.5B-like attention
+    (12 query heads, 2 KV heads, head_dim 128, 28 layers, bf16 caches of 100-600 keys,
+    float32 arithmetic), ms per forward, attention only, reference vs one call:
+    1 session x 1 query 8.8 vs 20.9; 1x5 23.8 vs 25.5; 4x1 37.7 vs 83.9; 8x5 281 vs 692;
+    16x1 132 vs 612; 16x5 509 vs 829 (``docs/analysis/packed_attention.py``). A CPU sdpa call
+    costs little next to its arithmetic, and the one call pays for padding every session to
+    the longest (the kernel does not skip masked keys) and for gathering the caches.
+    CUDA: the one call in the model's dtype (launches dominate there: 16 sessions x 5 queries
+    x 28 layers = 2,240 sdpa launches per verification otherwise); keys repeated per query
+    head, as the masked CUDA kernels take no GQA. NOTE: not run on a GPU here.
+    """
+    if torch.device(device).type == "cpu":
+        return REFERENCE_CPU
+    return AttentionPlan(one_call=True, compute_dtype=None, kernel_gqa=False)
+
+
+#: The per-query reference in float32 — a one-query attention in bf16 is ~6x slower on CPUs
+#: without bf16 arithmetic, and more exact. The CPU's plan; also what tests compare against.
+REFERENCE_CPU = AttentionPlan(one_call=False, compute_dtype=torch.float32)
+#: The one call as a CPU runs it (tests, benchmarks; the flash CPU kernel takes GQA with a mask).
+ONE_CALL_CPU = AttentionPlan(one_call=True, compute_dtype=torch.float32, kernel_gqa=True)
+
+
+@dataclass(frozen=True)
+class QueryLayout:
+    """Where each query of one call finds its keys; built once per forward, used by every layer.
+
+    The call's items are the sessions; a session's queries ride in the head dimension
+    (``kv_heads x max_queries x group`` query heads of one row each, kv-head-major, so the
+    kernel's GQA maps each to its key head). Every (item, head) is then the one-row attention
+    a solo decoding step computes, and the keys are gathered once per session, not per query.
+
+    Attributes:
+        key_gather: ``[sessions * padded_keys]`` indices into the concatenated session keys
+            plus one zero row (index ``sum(session_keys)``) for the padding.
+        query_gather: ``[sessions * max_queries]`` indices into the call's query rows plus one
+            zero row (index ``num_queries``) for the padding.
+        query_rows: ``[num_queries]`` positions of the real queries in ``sessions * max_queries``.
+        mask: ``[sessions, kv_heads * max_queries * group, 1, padded_keys]``, True where a
+            query attends (a padding query attends key 0 only, so no row is empty).
+        padded_keys: key slots per session (a multiple of the granule).
+        max_queries: query slots per session.
+    """
+
+    key_gather: torch.Tensor
+    query_gather: torch.Tensor
+    query_rows: torch.Tensor
+    mask: torch.Tensor
+    padded_keys: int
+    max_queries: int
+
+    @property
+    def num_sessions(self) -> int:
+        return self.mask.shape[0]
+
+    @property
+    def num_queries(self) -> int:
+        return self.query_rows.shape[0]
+
+
+def query_layout(session_keys: Sequence[int], session_queries: Sequence[int], kv_heads: int, group: int,
+                 granule: int, device: torch.device | str) -> QueryLayout:
+    """The layout of sessions whose caches hold ``session_keys[s]`` keys after the update,
+    the last ``session_queries[s]`` of them being this forward's queries: query ``i`` of
+    session ``s`` sees its first ``session_keys[s] - session_queries[s] + 1 + i`` keys.
+    ``group``: query heads per key head."""
+    sessions = len(session_keys)
+    assert sessions and all(1 <= q <= k for k, q in zip(session_keys, session_queries)), (session_keys, session_queries)
+    max_queries = max(session_queries)
+    padded = max(1, -(-max(session_keys) // granule)) * granule
+    keys = torch.tensor(session_keys, dtype=torch.long)
+    queries = torch.tensor(session_queries, dtype=torch.long)
+    key_offsets = torch.cumsum(keys, 0) - keys  # [sessions]
+    query_offsets = torch.cumsum(queries, 0) - queries
+    slots = torch.arange(padded)  # [padded]
+    key_gather = torch.where(slots < keys[:, None], key_offsets[:, None] + slots, int(keys.sum()))  # [sessions, padded]
+    query_slots = torch.arange(max_queries)  # [max_queries]
+    real = query_slots < queries[:, None]  # [sessions, max_queries]
+    query_gather = torch.where(real, query_offsets[:, None] + query_slots, int(queries.sum()))
+    visible = (keys - queries)[:, None] + 1 + query_slots  # [sessions, max_queries]: keys each query sees
+    visible = torch.where(real, visible, 1)
+    mask = slots < visible[:, :, None]  # [sessions, max_queries, padded]
+    mask = mask[:, None, :, None, :].expand(sessions, kv_heads, max_queries, group, padded)
+    mask = mask.reshape(sessions, kv_heads * max_queries * group, 1, padded)
+    return QueryLayout(key_gather.reshape(-1).to(device), query_gather.reshape(-1).to(device),
+                       real.reshape(-1).nonzero().squeeze(1).to(device), mask.to(device), padded, max_queries)
+
+
+def one_call_attention(queries: torch.Tensor,  # [1, heads, num_queries, head_dim]
+                       session_keys: Sequence[torch.Tensor],  # each [1, kv_heads, keys_s, head_dim]
+                       session_values: Sequence[torch.Tensor],  # each [1, kv_heads, keys_s, head_dim]
+                       layout: QueryLayout, scaling: float, plan: AttentionPlan) -> torch.Tensor:
+    """Every query over its own session's keys up to its position, in one sdpa call.
+
+    Returns ``[1, num_queries, heads, head_dim]`` in the queries' dtype (the layout of the
+    model's attention output)."""
+    heads, head_dim = queries.shape[1], queries.shape[3]
+    kv_heads = session_keys[0].shape[1]
+    group = heads // kv_heads
+    sessions, slots = layout.num_sessions, layout.max_queries
+    dtype = plan.compute_dtype or queries.dtype
+    call_heads = kv_heads * slots * group
+
+    def gathered(states: Sequence[torch.Tensor]) -> torch.Tensor:  # [sessions, kv_heads or call_heads, padded, dim]
+        zero = states[0].new_zeros(1, kv_heads, 1, head_dim)
+        flat = torch.cat([*states, zero], dim=2)[0]  # [kv_heads, total + 1, head_dim]
+        # Gathered and cast while contiguous; the kernel takes the transposed view as it is.
+        picked = flat.index_select(1, layout.key_gather).to(dtype)  # [kv_heads, sessions * padded, head_dim]
+        picked = picked.view(kv_heads, sessions, layout.padded_keys, head_dim).transpose(0, 1)
+        if not plan.kernel_gqa and call_heads != kv_heads:
+            picked = picked.repeat_interleave(slots * group, dim=1)
+        return picked
+
+    rows = torch.cat([queries[0], queries.new_zeros(heads, 1, head_dim)], dim=1)  # [heads, queries + 1, dim]
+    rows = rows.index_select(1, layout.query_gather).view(kv_heads, group, sessions, slots, head_dim)
+    items = rows.permute(2, 0, 3, 1, 4).reshape(sessions, call_heads, 1, head_dim).to(dtype)
+    output = torch.nn.functional.scaled_dot_product_attention(
+        items, gathered(session_keys), gathered(session_values), attn_mask=layout.mask, scale=scaling,
+        enable_gqa=plan.kernel_gqa and call_heads != kv_heads)  # [sessions, call_heads, 1, head_dim]
+    output = output.view(sessions, kv_heads, slots, group, head_dim).permute(1, 3, 0, 2, 4)
+    output = output.reshape(heads, sessions * slots, head_dim).index_select(1, layout.query_rows)
+    return output.transpose(0, 1).unsqueeze(0).to(queries.dtype)  # [1, num_queries, heads, head_dim]
