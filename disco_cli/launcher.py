@@ -45,6 +45,7 @@ class ServiceOptions:
     max_prompt_tokens: int = 0
     log_format: str = "text"
     artifact_dirs: tuple[str, ...] = ()  # the draft's --artifact-dir folders (default: its own)
+    max_kv_bytes: int = 0  # the draft's and the target's --max-kv-bytes (0: each derives its own)
 
     def args(self, role: str) -> list[str]:
         argv = [flag for flag, value in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key),
@@ -56,6 +57,8 @@ class ServiceOptions:
             argv += ["--metrics-port", str(self.metrics_port + offset)]
         if self.max_prompt_tokens and role == "orchestrator":
             argv += ["--max-prompt-tokens", str(self.max_prompt_tokens)]
+        if self.max_kv_bytes and role in ("draft", "target"):
+            argv += ["--max-kv-bytes", str(self.max_kv_bytes)]
         if role == "draft":
             argv += [arg for folder in self.artifact_dirs for arg in ("--artifact-dir", str(folder))]
         return argv + ["--log-format", self.log_format]

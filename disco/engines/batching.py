@@ -19,6 +19,16 @@ at most ``wait_fraction`` of the last forward's duration, for as many requests a
 were live sessions in the last *round* (the sessions served between two forwards of the
 same session). A lone stream never waits (its round has one session); a session that
 ended drops out of the round as soon as its sequence is freed.
+
+Out of memory: a packed forward needs more memory than any of its sessions alone. When it
+raises an out-of-memory error (:func:`is_out_of_memory`), every session's cache is rolled
+back to where it was before the forward (layers the forward reached were extended in
+place), cached device memory is freed, and each session is run alone; its result is then
+exactly its solo forward. Only a session that runs out of memory alone gets the error, as
+:class:`~disco.errors.ResourceExhausted`. Any other error fails the batch's sessions as
+before, their caches rolled back too, so a caller may retry. The forward timer reads
+:func:`disco.engines.device_clock.now` (synchronised on CUDA); the batching window's
+deadline is a plain monotonic wait, no device time.
 """
 
 from __future__ import annotations
@@ -30,9 +40,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from disco.engines.device_clock import now
 from disco.engines.kv import CachedSequence
 from disco.engines.live_costs import LiveCosts
 from disco.engines.packing_proof import verdict_for
+from disco.errors import ResourceExhausted, first_line
 
 #: Sessions one packed forward holds at most (the engines' default; the load-time proof's size).
 DEFAULT_MAX_BATCH = 16
@@ -134,24 +146,87 @@ class ForwardBatcher:
         try:
             rows = sum(request.sequence.num_pending for request in batch)
             steps_only = all(request.num_logits > 0 for request in batch)  # no prefill in it
-            started = time.perf_counter()
+            device = batch[0].sequence.device
+            started = now(device)
             with self.model_lock:
-                if self.packed:
-                    results = CachedSequence.forward_batch([r.sequence for r in batch], [r.num_logits for r in batch],
-                                                           [r.want_hidden for r in batch])
-                else:  # a model without packed forwards: one by one
-                    results = [r.sequence.step(r.num_logits, r.want_hidden) for r in batch]
-                for request, result in zip(batch, results):
-                    request.result = result
-            self._last_forward_s = time.perf_counter() - started
-            if steps_only:
+                outcomes, packed_ok = self._forward(batch)
+            for request, outcome in zip(batch, outcomes):
+                if isinstance(outcome, BaseException):
+                    request.error = outcome
+                else:
+                    request.result = outcome
+            self._last_forward_s = now(device) - started
+            if steps_only and packed_ok:  # a forward that ran out of memory times nothing useful
                 self.live_costs.observe(rows, self._last_forward_s)
             self._count_round([request.sequence for request in batch])
             self.batch_sizes = (self.batch_sizes + [len(batch)])[-1000:]
         except BaseException as error:  # noqa: BLE001 - handed to every waiting caller
             for request in batch:
-                request.error = error
+                if request.result is None and request.error is None:
+                    request.error = error
         finally:
             for request in batch:
                 request.done.set()
 
+    def _forward(self, batch: list[_Request]
+                 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor | None] | BaseException], bool]:
+        """The batch's forward (model lock held): per request its result or its error, and
+        whether the forward ran as planned (no out-of-memory retry, no error)."""
+        marks = [request.sequence.cache_len for request in batch]
+        if not self.packed or len(batch) == 1:  # one by one: each request succeeds or fails alone
+            outcomes = [self._solo(request, mark) for request, mark in zip(batch, marks)]
+            return outcomes, not any(isinstance(outcome, BaseException) for outcome in outcomes)
+        try:
+            return CachedSequence.forward_batch([r.sequence for r in batch], [r.num_logits for r in batch],
+                                                [r.want_hidden for r in batch]), True
+        except BaseException as error:
+            for request, mark in zip(batch, marks):
+                roll_back(request.sequence, mark)
+            if not is_out_of_memory(error):
+                raise
+        # NOTE: out of memory in the packed forward: each session alone, so only a session
+        # that does not fit by itself fails (its solo forward is what a batch gives it anyway).
+        free_cached_memory(batch[0].sequence.device)
+        return [self._solo(request, mark) for request, mark in zip(batch, marks)], False
+
+    @staticmethod
+    def _solo(request: _Request, mark: int) -> tuple[torch.Tensor, torch.Tensor | None] | BaseException:
+        try:
+            return request.sequence.step(request.num_logits, request.want_hidden)
+        except BaseException as error:  # noqa: BLE001 - this request's own error
+            roll_back(request.sequence, mark)
+            if is_out_of_memory(error):
+                free_cached_memory(request.sequence.device)
+                return ResourceExhausted(
+                    f"out of memory in a forward of {request.sequence.num_pending} tokens over a cache of {mark} "
+                    f"(this session alone): {first_line(error)}")
+            return error
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is an allocator's out-of-memory error: ``torch.OutOfMemoryError``
+    (``torch.cuda.OutOfMemoryError`` is one) or the CPU allocator's ``RuntimeError``."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    message = str(error)
+    return isinstance(error, RuntimeError) and (
+        "out of memory" in message or "DefaultCPUAllocator: can't allocate" in message)
+
+
+def free_cached_memory(device: torch.device) -> None:
+    """Hand the CUDA caching allocator's free blocks back (a no-op elsewhere)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def roll_back(sequence: CachedSequence, cache_len: int) -> None:
+    """Undo what a failed forward did to ``sequence``'s cache: every layer cut back to
+    ``cache_len`` entries (a forward that failed at layer i has extended layers < i only, so
+    a uniform crop by ``CachedSequence.cache_len`` would not do) and ``cache_len`` restored.
+    The tokens are kept: the pending ones are fed again by the next forward.
+    """
+    for layer in getattr(sequence.cache, "layers", ()):
+        extra = layer.get_seq_length() - cache_len if getattr(layer, "is_initialized", True) else 0
+        if extra > 0:
+            layer.crop(-extra)
+    sequence.cache_len = cache_len

@@ -9,7 +9,6 @@ verifies the last one, on the guess that the whole block is accepted (see
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -17,14 +16,19 @@ import torch
 
 from disco.config import SamplingParams
 from disco.engines.batching import DEFAULT_MAX_BATCH, ForwardBatcher
+from disco.engines.device_clock import now_ns
 from disco.engines.kv import CachedSequence
 from disco.engines.predraft import Predraft, can_predraft
-from disco.engines.sessions import SessionLimits, SessionStore
-from disco.errors import InvalidRequest, SessionNotFound
+from disco.engines.sessions import KvBudget, SessionLimits, SessionStore
+from disco.errors import InvalidRequest, ModelError, SessionNotFound
 from disco.interfaces import DraftEvent, DraftSummary, DraftToken, Feedback, PrefillResult
 from disco.speculation.policies import Decision, PolicyFactory, StopPolicy, block_budget
-from disco.speculation.sampling import logits_to_probs, make_generator
-from disco.speculation.signals import TokenSignals, token_signals
+from disco.speculation.sampling import logits_to_probs, make_generator, sample, to_host
+from disco.speculation.signals import NUM_SIGNAL_VALUES, TokenSignals, signal_values, signals_from_values
+
+
+#: Token ids move to the host as float32 values (see :meth:`DraftEngine._step`): exact up to 2**24.
+_EXACT_FLOAT32_INTS = 1 << 24
 
 
 @dataclass
@@ -41,6 +45,7 @@ class DraftSession:
     predraft: Predraft | None = None  # the next block, drafted in the background (overlap)
     closed: bool = False  # ended: no pre-draft may start any more
     predraft_guard: threading.Lock = field(default_factory=threading.Lock)  # predraft/closed vs end_session
+    session_id: str = ""  # its key in the engine's store (KV reservations grow by it)
 
 
 @dataclass
@@ -74,7 +79,11 @@ class DraftEngine:
         self.overlap = overlap
         self.policy_factory = policy_factory
         self.max_context = int(getattr(model.config, "max_position_embeddings", 1 << 30))
-        self.sessions: SessionStore[DraftSession] = SessionStore(limits)
+        self.device = next(model.parameters()).device
+        if int(model.config.vocab_size) > _EXACT_FLOAT32_INTS:
+            raise ModelError(f"a vocabulary of {model.config.vocab_size} tokens: draft token ids travel to the host "
+                             f"as float32, exact up to {_EXACT_FLOAT32_INTS}")
+        self.sessions: SessionStore[DraftSession] = SessionStore(limits, kv=KvBudget.for_model(model, limits, "draft"))
         # Concurrent sessions' forwards run as one padded batch (see disco.engines.batching).
         self.batcher = ForwardBatcher(model, max_batch)
 
@@ -87,7 +96,7 @@ class DraftEngine:
         reference_ids: Sequence[int] | None = None,
         overlap: bool | None = None,
     ) -> PrefillResult:
-        started = time.perf_counter_ns()
+        started = now_ns(self.device)
         if not prompt_ids:
             raise InvalidRequest("prompt is empty")
         if len(prompt_ids) >= self.max_context:
@@ -98,19 +107,28 @@ class DraftEngine:
             if any(not 0 <= token < vocab_size for token in ids):
                 raise InvalidRequest(f"{name} token ids must be in [0, {vocab_size})")
         sampling.validate()
-        self.sessions.check_capacity()  # before paying for a prefill
+        self.sessions.check_capacity()  # before building the policy (it may load an artifact)
         policy = self.policy_factory.build(policy_spec, reference_ids)
-        sequence = CachedSequence(self.model, prompt_ids)
-        session = DraftSession(
-            sequence=sequence,
-            policy=policy,
-            sampling=sampling,
-            generator=make_generator(sampling.seed, sequence.device),
-            overlap=self.overlap if overlap is None else overlap,
-        )
-        self.batcher.prefill(session.sequence)  # batched with concurrent prefills
-        self.sessions.add(session_id, session)
-        return PrefillResult(prompt_tokens=len(prompt_ids), elapsed_ns=time.perf_counter_ns() - started)
+        # Admitted (count and KV bytes of every token it can reach) before paying for a prefill.
+        reserved = min(self.max_context, len(prompt_ids) + sampling.max_new_tokens)
+        self.sessions.reserve(session_id, reserved)
+        try:
+            # The cache is preallocated for what was reserved (its buffers then never move).
+            sequence = CachedSequence(self.model, prompt_ids, capacity=reserved + 1)
+            session = DraftSession(
+                sequence=sequence,
+                policy=policy,
+                sampling=sampling,
+                generator=make_generator(sampling.seed, sequence.device),
+                overlap=self.overlap if overlap is None else overlap,
+                session_id=session_id,
+            )
+            self.batcher.prefill(session.sequence)  # batched with concurrent prefills
+            self.sessions.add(session_id, session)
+        except BaseException:
+            self.sessions.release(session_id)  # a refused or failed session leaves nothing behind
+            raise
+        return PrefillResult(prompt_tokens=len(prompt_ids), elapsed_ns=now_ns(self.device) - started)
 
     def end_session(self, session_id: str) -> None:
         try:
@@ -150,7 +168,7 @@ class DraftEngine:
                      max_lookahead: int) -> Iterator[DraftEvent]:
         """The drafting loop. The session lock is taken when iteration starts (so a
         generator that is dropped unstarted holds nothing) and released when it ends."""
-        started = time.perf_counter_ns()
+        started = now_ns(self.device)
         if not session.lock.acquire(blocking=False):
             raise InvalidRequest(f"session {session_id!r} is already drafting")
         handed_out = False
@@ -175,7 +193,7 @@ class DraftEngine:
                     stop_reason = "policy"
                     break
             handed_out = True
-            yield DraftSummary(forwards=forwards, elapsed_ns=time.perf_counter_ns() - started,
+            yield DraftSummary(forwards=forwards, elapsed_ns=now_ns(self.device) - started,
                                stop_reason=stop_reason, predrafted_used=len(start.tokens),
                                predrafted_wasted=start.wasted, overlap_hit=start.hit, overlap_miss=start.miss)
         finally:
@@ -191,6 +209,8 @@ class DraftEngine:
         with session.predraft_guard:
             predraft, session.predraft = session.predraft, None
         start, rebuilt = _BlockStart(budget=0), False
+        if feedback is not None:  # the verdict on the block session.policy drafted
+            session.policy.observe_verification(session.block_size, feedback.num_accepted)
         if predraft is not None:
             predraft.finish()  # the worker is done with the sequence from here on
             start.forwards = predraft.forwards
@@ -266,31 +286,56 @@ class DraftEngine:
 
     def _step(self, session: DraftSession, policy: StopPolicy, position: int, generator: torch.Generator | None
               ) -> tuple[DraftToken, Decision, TokenSignals | None]:
-        """Draft one token and ask the policy about it (the drafting loop's body)."""
-        logits, hidden = self.batcher.forward(session.sequence, 1, want_hidden=policy.needs_hidden)  # [1, vocab]
+        """Draft one token and ask the policy about it (the drafting loop's body).
+
+        One device-to-host transfer per draft token: the token, its probability, the
+        signals (and hidden state) a policy reads and, when sampling, the draft distribution
+        the target needs are gathered into one float32 tensor on the device and moved once
+        (:func:`to_host`). Token ids travel as float32, exact below 2**24 (checked at start).
+        """
+        sequence = session.sequence
+        self.sessions.grow(session.session_id, len(sequence.tokens))  # the KV this forward adds, admitted
+        logits, hidden = self.batcher.forward(sequence, 1, want_hidden=policy.needs_hidden)  # [1, vocab]
+        # Greedy with signals: the token's probability is the signals' (one softmax serves both).
+        want_prob = not (policy.needs_signals and session.sampling.is_greedy)
+        token, prob, draft_probs = self._choose(session.sampling, generator, logits[0], want_prob)
+        parts = [token.float().reshape(1), prob.reshape(1) if prob is not None else logits.new_full((1,), float("nan"))]
+        if policy.needs_signals:
+            parts.append(signal_values(logits[0], token))  # [NUM_SIGNAL_VALUES]
+            if hidden is not None:
+                parts.append(hidden[0].float())  # [hidden_size]
+        if draft_probs is not None:
+            parts.append(draft_probs)  # [vocab]
+        host = to_host(torch.cat(parts))  # the one transfer
+        token_id, draft_prob, offset = int(host[0]), float(host[1]), 2
         signals = None
-        if policy.needs_signals:  # one softmax serves both the signals and the token's probability
-            token = self._choose(session.sampling, generator, logits[0], want_prob=False)
-            signals = token_signals(logits[0], token.token_id, hidden[0] if hidden is not None else None)
-            if session.sampling.is_greedy:
-                token = DraftToken(token_id=token.token_id, draft_prob=signals.token_prob)
-        else:
-            token = self._choose(session.sampling, generator, logits[0])
+        if policy.needs_signals:
+            values, offset = host[offset: offset + NUM_SIGNAL_VALUES], offset + NUM_SIGNAL_VALUES
+            hidden_host = None
+            if hidden is not None:
+                hidden_host, offset = host[offset: offset + hidden.shape[-1]], offset + hidden.shape[-1]
+            signals = signals_from_values(values, hidden_host)
+            if not want_prob:
+                draft_prob = signals.token_prob
+        host_probs = torch.from_numpy(host[offset:]) if draft_probs is not None else None  # [vocab], on the host
+        token = DraftToken(token_id=token_id, draft_prob=draft_prob, draft_probs=host_probs)
         return token, policy.after_token(position, token.token_id, signals), signals
 
     @staticmethod
     def _choose(sampling: SamplingParams, generator: torch.Generator | None,
                 logits: torch.Tensor,  # logits: [vocab]
-                want_prob: bool = True) -> DraftToken:
-        """Greedy: the argmax (its probability only if ``want_prob``; the caller may take it
-        from the signals instead). Sampling: a token from the warped distribution."""
+                want_prob: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The draft token on the device (nothing read back): ``(token [], its probability []
+        or None, the warped distribution [vocab] when sampling)``. Greedy: the argmax and, if
+        ``want_prob``, its softmax probability (the caller may take it from the signals).
+        Sampling: a token from the warped distribution (:func:`sample`, multinomial's draw)."""
         if sampling.is_greedy:
-            token_id = int(logits.argmax())
-            prob = float(torch.softmax(logits, -1)[token_id]) if want_prob else float("nan")
-            return DraftToken(token_id=token_id, draft_prob=prob)
+            token = logits.argmax()
+            prob = torch.softmax(logits, -1).index_select(0, token.reshape(1))[0] if want_prob else None
+            return token, prob, None
         draft_probs = logits_to_probs(logits, sampling)  # [vocab]
-        token_id = int(torch.multinomial(draft_probs, 1, generator=generator).item())
-        return DraftToken(token_id=token_id, draft_prob=float(draft_probs[token_id]), draft_probs=draft_probs)
+        token = sample(draft_probs, generator)
+        return token, draft_probs.index_select(0, token.reshape(1))[0], draft_probs
 
     def active_sessions(self) -> int:
         return len(self.sessions)

@@ -1,9 +1,14 @@
-"""Target engine: per-session target KV caches, prefill and block verification."""
+"""Target engine: per-session target KV caches, prefill and block verification.
+
+A session is admitted by count and by KV bytes (:mod:`disco.engines.sessions`): prompt +
+``max_new_tokens`` reserved before the prefill, the reservation grown when a verification
+block would take the cache past it. A verification reads one tensor back to the host (the
+accepted count and the next token: :func:`greedy_accept`, :func:`rejection_sample`).
+"""
 
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -11,8 +16,9 @@ import torch
 
 from disco.config import SamplingParams
 from disco.engines.batching import DEFAULT_MAX_BATCH, ForwardBatcher
+from disco.engines.device_clock import now_ns
 from disco.engines.kv import CachedSequence
-from disco.engines.sessions import SessionLimits, SessionStore
+from disco.engines.sessions import KvBudget, SessionLimits, SessionStore
 from disco.errors import InvalidRequest
 from disco.interfaces import PrefillResult, VerifyResult
 from disco.speculation.sampling import greedy_accept, logits_to_probs, make_generator, rejection_sample
@@ -33,14 +39,16 @@ class TargetEngine:
         self.model = model
         self.vocab_size = int(model.config.vocab_size)
         self.max_context = int(getattr(model.config, "max_position_embeddings", 1 << 30))
-        self.sessions: SessionStore[TargetSession] = SessionStore(limits)
+        self.device = next(model.parameters()).device
+        kv = KvBudget.for_model(model, limits, "target")  # after the model is loaded: the derived budget sees it
+        self.sessions: SessionStore[TargetSession] = SessionStore(limits, kv=kv)
         # Concurrent sessions' forwards run as one padded batch (see disco.engines.batching).
         self.batcher = ForwardBatcher(model, max_batch)
 
     def start_session(
         self, session_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
     ) -> PrefillResult:
-        started = time.perf_counter_ns()
+        started = now_ns(self.device)
         if not prompt_ids:
             raise InvalidRequest("prompt is empty")
         sampling.validate()
@@ -50,16 +58,23 @@ class TargetEngine:
                 f"exceeds the target model's context of {self.max_context} tokens")
         if any(not 0 <= token < self.vocab_size for token in prompt_ids):
             raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})")
-        self.sessions.check_capacity()  # before paying for a prefill
-        sequence = CachedSequence(self.model, prompt_ids)
-        session = TargetSession(
-            sequence=sequence,
-            sampling=sampling,
-            generator=make_generator(sampling.seed, sequence.device),
-        )
-        self.batcher.prefill(session.sequence)  # batched with concurrent prefills
-        self.sessions.add(session_id, session)
-        return PrefillResult(prompt_tokens=len(prompt_ids), elapsed_ns=time.perf_counter_ns() - started)
+        # Admitted (count and KV bytes of every token it can reach) before paying for a prefill.
+        reserved = min(self.max_context, len(prompt_ids) + sampling.max_new_tokens)
+        self.sessions.reserve(session_id, reserved)
+        try:
+            # The cache is preallocated for what was reserved (its buffers then never move).
+            sequence = CachedSequence(self.model, prompt_ids, capacity=reserved + 1)
+            session = TargetSession(
+                sequence=sequence,
+                sampling=sampling,
+                generator=make_generator(sampling.seed, sequence.device),
+            )
+            self.batcher.prefill(session.sequence)  # batched with concurrent prefills
+            self.sessions.add(session_id, session)
+        except BaseException:
+            self.sessions.release(session_id)  # a refused or failed session leaves nothing behind
+            raise
+        return PrefillResult(prompt_tokens=len(prompt_ids), elapsed_ns=now_ns(self.device) - started)
 
     def end_session(self, session_id: str) -> None:
         self.sessions.remove(session_id)
@@ -70,7 +85,7 @@ class TargetEngine:
         draft_token_ids: Sequence[int],
         draft_probs: torch.Tensor | None,  # [k, vocab] when sampling, else None
     ) -> VerifyResult:
-        started = time.perf_counter_ns()
+        started = now_ns(self.device)
         session = self.sessions.get(session_id)
         draft_token_ids = list(draft_token_ids)
         num_draft = len(draft_token_ids)
@@ -86,14 +101,15 @@ class TargetEngine:
             if len(sequence) + num_draft + 1 > self.max_context:
                 raise InvalidRequest("block would exceed the target model's context")
             base = len(sequence)
+            self.sessions.grow(session_id, base + num_draft)  # the KV this block adds, admitted
             sequence.tokens.extend(draft_token_ids)
-            forward_started = time.perf_counter_ns()
+            forward_started = now_ns(self.device)
             try:
                 target_logits, _ = self.batcher.forward(sequence, num_draft + 1)  # [k + 1, vocab]
             except BaseException:
                 sequence.truncate(base)  # a failed forward leaves the session as it was
                 raise
-            forward_ns = time.perf_counter_ns() - forward_started
+            forward_ns = now_ns(self.device) - forward_started
             if session.sampling.is_greedy:
                 num_accepted, bonus = greedy_accept(draft_token_ids, target_logits)
             else:
@@ -106,7 +122,7 @@ class TargetEngine:
         finally:
             session.lock.release()
         return VerifyResult(num_accepted=num_accepted, next_token_id=bonus, forward_ns=forward_ns,
-                            elapsed_ns=time.perf_counter_ns() - started)
+                            elapsed_ns=now_ns(self.device) - started)
 
     def active_sessions(self) -> int:
         return len(self.sessions)

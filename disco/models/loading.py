@@ -115,10 +115,10 @@ def load_model(config: ModelConfig, role: str, home: Path, progress: bool = True
     if config.dtype in quantize.QUANT_FORMATS:
         model, tokenizer, fingerprint = _load_quantized(location, name, is_hub, home, config.dtype)
     else:
-        model, tokenizer = _load_hf(location, _DTYPES[config.dtype], is_hub)
+        model, tokenizer = _load_hf(location, _DTYPES[config.dtype], is_hub, config.device)
         fingerprint = _hub_fingerprint(location, model) if is_hub else folder_fingerprint(Path(location))
     try:
-        model.to(config.device)
+        model.to(config.device)  # a no-op where the weights were loaded onto the device (dense, not CPU)
     except (RuntimeError, AssertionError) as error:
         raise ModelError(f"could not move {role} model {name} to {config.device}: {first_line(error)}") from error
     model.eval()
@@ -247,9 +247,15 @@ def _looks_like_path(spec: str) -> bool:
     return ("/" in spec and spec.startswith((".", "/", "~"))) or spec.endswith(".gguf")
 
 
-def _load_hf(location: str, dtype: torch.dtype, is_hub: bool) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def _load_hf(location: str, dtype: torch.dtype, is_hub: bool, device: str = "cpu"
+             ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A dense HF model, its weights loaded straight onto ``device``: transformers builds the
+    skeleton without allocating it and copies each tensor from the checkpoint to the device
+    (``device_map``), so a GPU model is never materialised in host memory first. On a CPU the
+    call is the plain one (no ``device_map``: nothing to move, and the same code path as ever)."""
+    placement = {} if torch.device(device).type == "cpu" else {"device_map": device}
     try:
-        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **placement)
         tokenizer = AutoTokenizer.from_pretrained(location)
     except Exception as error:  # noqa: BLE001 -- NOTE: loaders raise anything (hub, json, safetensors)
         if is_hub:

@@ -174,8 +174,11 @@ class FeatureExtractor:
                 if signals.hidden is None:
                     raise InvalidRequest("hidden-state features need the draft's hidden state per token")
                 hidden = signals.hidden
-                # NOTE: the draft's hidden state lives on the model's device (a GPU): to the host first
-                hidden = hidden.detach().float().cpu().numpy() if hasattr(hidden, "numpy") else np.asarray(hidden)
+                # NOTE: the drafting loop hands the hidden state over on the host already (numpy,
+                # moved with the token's other values in one transfer); a tensor (offline
+                # records, or one on a device) is moved here.
+                if not isinstance(hidden, np.ndarray):
+                    hidden = hidden.detach().float().cpu().numpy()
                 assert self.projection is not None
                 values.extend(float(v) for v in self.projection.apply(hidden))
         block.cum_log_p1 = cum_log_p1

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from disco.config import SamplingParams
@@ -46,19 +47,44 @@ def logits_to_probs(
     return probs
 
 
+def sample(
+    probs: torch.Tensor,  # [..., vocab] rows summing to 1 (not checked)
+    generator: torch.Generator | None,
+) -> torch.Tensor:  # [...] long, on the device of probs
+    """One token per row, drawn from ``probs``, without a device-to-host sync.
+
+    ``argmax(probs / q)`` with ``q ~ Exp(1)``: the exponential-race form of Gumbel-max, and
+    exactly what ``torch.multinomial(probs, 1)`` computes for one sample — the same
+    random numbers drawn, the same token (checked in tests/test_host_syncs.py) — minus
+    multinomial's input checks, which read two values back to the host (a CUDA sync each).
+    """
+    race = torch.empty_like(probs).exponential_(1, generator=generator)
+    return (probs / race).argmax(dim=-1)
+
+
 def sample_token(
     probs: torch.Tensor,  # [vocab]
     generator: torch.Generator | None,
 ) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    """:func:`sample` read back to the host (one transfer)."""
+    return int(to_host(sample(probs, generator))[()])
+
+
+def to_host(values: torch.Tensor) -> np.ndarray:
+    """THE device-to-host transfer of the per-token paths: one copy of ``values`` into host
+    memory (a CUDA sync), returned as numpy. The drafting step and the verification gather
+    everything the host needs into one tensor and call this once (tests/test_host_syncs.py
+    counts it)."""
+    return values.detach().to("cpu").numpy()
 
 
 def greedy_accept(
     draft_token_ids: Sequence[int],  # k draft tokens
     target_logits: torch.Tensor,  # [k + 1, vocab]
 ) -> tuple[int, int]:
-    """Returns ``(num_accepted, next_token_id)`` under greedy decoding."""
-    target_argmax = target_logits.argmax(dim=-1).tolist()  # k + 1 ints
+    """Returns ``(num_accepted, next_token_id)`` under greedy decoding (one transfer: the
+    k + 1 argmaxes)."""
+    target_argmax = to_host(target_logits.argmax(dim=-1)).tolist()  # k + 1 ints
     num_accepted = 0
     for draft_token, target_token in zip(draft_token_ids, target_argmax):
         if draft_token != target_token:
@@ -76,24 +102,46 @@ def rejection_sample(
     """Returns ``(num_accepted, next_token_id)``; see the module docstring.
 
     ``draft_probs`` and ``target_probs`` may differ in vocabulary size (padded
-    embeddings); both are cut to the shared prefix of the vocabulary.
+    embeddings); both are cut to the shared prefix of the vocabulary. ``draft_probs`` may
+    live on the host (they came over the wire); they are moved to the target's device.
+
+    Runs on the device of ``target_probs`` with one transfer at the end (the accepted count
+    and the token): all k acceptance tests at once (k uniforms drawn in one call), the
+    first rejection found on the device, the recovered (or bonus) distribution picked by
+    that index and sampled with :func:`sample`.
+
+    NOTE: the k uniforms are always drawn, where a loop stops drawing at the first
+    rejection; so a seeded request that rejects before its block's last token draws
+    different numbers afterwards than before this change (same distribution: every
+    uniform is independent of the others). Without a rejection, or with one at the last
+    token, the numbers and tokens are the loop's bit for bit; a target-only step (k = 0)
+    is ``torch.multinomial``'s.
     """
-    vocab = min(draft_probs.shape[-1], target_probs.shape[-1]) if len(draft_token_ids) else target_probs.shape[-1]
-    target_probs = target_probs[:, :vocab].float()
-    draft_probs = draft_probs[:, :vocab].float()
-    for position, token in enumerate(draft_token_ids):
-        target_prob = target_probs[position, token]
-        draft_prob = draft_probs[position, token]
-        uniform = torch.rand((), generator=generator)
-        if draft_prob > 0 and uniform * draft_prob <= target_prob:
-            continue  # accepted: uniform < target_prob / draft_prob
-        residual = torch.clamp(target_probs[position] - draft_probs[position], min=0.0)
-        total = residual.sum()
-        # NOTE: total > 0 whenever a rejection is possible (target_prob < draft_prob);
-        # the fallback only guards against float underflow.
-        recovered_probs = residual / total if total > 0 else target_probs[position]
-        return position, sample_token(recovered_probs, generator)
-    return len(draft_token_ids), sample_token(target_probs[len(draft_token_ids)], generator)
+    num_draft = len(draft_token_ids)
+    device = target_probs.device
+    vocab = min(draft_probs.shape[-1], target_probs.shape[-1]) if num_draft else target_probs.shape[-1]
+    target_probs = target_probs[:, :vocab].float()  # [k + 1, vocab]
+    draft_probs = draft_probs[:num_draft, :vocab].to(device=device, dtype=torch.float32)  # [k, vocab]
+    tokens = torch.tensor(list(draft_token_ids), dtype=torch.long, device=device)  # [k]
+    positions = torch.arange(num_draft, device=device)
+    target_prob = target_probs[positions, tokens]  # [k]
+    draft_prob = draft_probs[positions, tokens]  # [k]
+    uniform = torch.rand(num_draft, generator=generator, device=device)  # [k]
+    accepted = (draft_prob > 0) & (uniform * draft_prob <= target_prob)  # uniform < target_prob / draft_prob
+    num_accepted = accepted.long().cumprod(dim=0).sum().reshape(1)  # [1]: up to the first rejection
+    # The distribution of the next token: on a rejection at position n the normalised residual
+    # max(0, target - draft) there, else (all accepted) the target's row k.
+    target_row = target_probs.index_select(0, num_accepted)  # [1, vocab]
+    padded_draft = torch.cat([draft_probs, torch.zeros_like(target_probs[:1])])  # [k + 1, vocab]
+    residual = torch.clamp(target_row - padded_draft.index_select(0, num_accepted), min=0.0)  # [1, vocab]
+    total = residual.sum(dim=-1, keepdim=True)  # [1, 1]
+    # NOTE: total > 0 whenever a rejection is possible (target_prob < draft_prob); the
+    # target's row is the fallback against float underflow, and the row itself when all
+    # are accepted (not the residual divided by its sum: those bits may differ).
+    rejected = (num_accepted < num_draft).reshape(1, 1) & (total > 0)
+    next_probs = torch.where(rejected, residual / torch.where(total > 0, total, 1.0), target_row)  # [1, vocab]
+    outcome = to_host(torch.cat([num_accepted, sample(next_probs, generator)]))  # the one transfer
+    return int(outcome[0]), int(outcome[1])
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:

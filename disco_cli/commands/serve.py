@@ -49,6 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             help=f"concurrent sessions (default {SessionLimits.max_sessions})")
         parser.add_argument("--idle-ttl", type=float, default=SessionLimits.idle_ttl_s,
                             help=f"seconds before an idle session is freed (default {SessionLimits.idle_ttl_s:.0f})")
+        add_kv_budget_arg(parser)
         _add_threads_arg(parser)
         _add_listen_args(parser, PORTS[role])
         add_operations_args(parser)
@@ -79,11 +80,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_threads_arg(parser)
     _add_listen_args(parser, PORTS["orchestrator"])
     add_operations_args(parser)
+    add_kv_budget_arg(parser, " (each of the draft and target services)")
     _add_artifact_dir_arg(parser)
     add_overlap_arg(parser, "of the draft service")
     add_http_port_arg(parser)
     parser.set_defaults(func=_run_serve)
     add_deployment_security_args(parser, "security (every child gets the same files)")
+
+
+def add_kv_budget_arg(parser: argparse.ArgumentParser, whose: str = "") -> None:
+    parser.add_argument("--max-kv-bytes", type=parse_bytes, default=0, metavar="BYTES",
+                        help=f"KV-cache bytes all sessions together may hold{whose}, e.g. 8G or 512M; more gets "
+                             "RESOURCE_EXHAUSTED (default 0: 80%% of the GPU's free memory after the model is "
+                             "loaded, 50%% of the available RAM on a CPU; see docs/operations.md)")
+
+
+def parse_bytes(text: str) -> int:
+    """``4096``, ``512K``, ``64M``, ``8G`` or ``1T`` (powers of 1024; a trailing ``B``/``iB`` is allowed)."""
+    value = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = 1
+    if value and value[-1] in "KMGT":
+        scale, value = 1024 ** ("KMGT".index(value[-1]) + 1), value[:-1]
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (e.g. 8G, 512M, 1048576)") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"a byte count must be >= 0, got {text!r}")
+    return int(number * scale)
 
 
 def _add_artifact_dir_arg(parser: argparse.ArgumentParser) -> None:
@@ -141,7 +165,7 @@ def _run_backend(args: argparse.Namespace) -> int:
     config = ModelConfig(spec=args.model, dtype=dtype_from_args(args, args.role), device=args.device)
     config.validate()
     loaded, costs = _load_and_measure(config, args.role, measure=not args.no_engine_costs)
-    limits = SessionLimits(max_sessions=args.max_sessions, idle_ttl_s=args.idle_ttl)
+    limits = SessionLimits(max_sessions=args.max_sessions, idle_ttl_s=args.idle_ttl, max_kv_bytes=args.max_kv_bytes)
     options = dict(host=args.host, port=args.port, limits=limits, max_prompt_tokens=args.max_prompt_tokens or None,
                    tls=tls, metrics_port=args.metrics_port, forward_s=costs.forward_s if costs else ())
     if args.role == "draft":
@@ -218,7 +242,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     options = ServiceOptions(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
                              tls_server_name=args.tls_server_name, auth_token=auth_token_from_env(args.auth_token),
                              metrics_port=args.metrics_port, max_prompt_tokens=args.max_prompt_tokens,
-                             log_format=args.log_format, artifact_dirs=tuple(args.artifact_dir or ()))
+                             log_format=args.log_format, artifact_dirs=tuple(args.artifact_dir or ()),
+                             max_kv_bytes=args.max_kv_bytes)
     services = launch(pair_config_from_args(args), host=args.host, port=args.port, threads=args.threads,
                       options=options, overlap=overlap_from_args(args))
     gateway = None
