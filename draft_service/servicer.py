@@ -13,6 +13,7 @@ from typing import Iterator, Sequence
 import grpc
 
 from disco.engines.draft import DraftEngine
+from disco.engines.packing_proof import exactness_for
 from disco.engines.sessions import SessionLimits
 from disco.interfaces import DraftEvent, DraftSummary
 from disco.models.loading import LoadedModel
@@ -37,6 +38,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.max_prompt_tokens = max_prompt_tokens  # applies to re-prefills too (prompt + tokens so far)
         self.metrics = metrics or ServerMetrics("draft", loaded.name)
         self.metrics.track_sessions(engine.active_sessions, limits.max_sessions)
+        # Proven when the engine's batcher started (kept on the model): stated in Info and /metrics.
+        self.exactness = exactness_for(loaded.model)
+        self.metrics.describe_exactness(self.exactness.proven, self.exactness.statement)
         self.metrics.track_overlap()
         # Draft streams draft on these threads, ahead of the gRPC thread sending each token.
         self.drafting_threads = ThreadPoolExecutor(max_workers=limits.max_sessions + 1,
@@ -83,4 +87,5 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                        self.engine.active_sessions(), self.limits, time.perf_counter_ns(),
                                        self.forward_s, overlap=self.engine.overlap,
                                        batching=self.engine.batcher.verdict.detail,
-                                       live_forward_s=self.engine.batcher.live_costs.seconds_by_rows())
+                                       live_forward_s=self.engine.batcher.live_costs.seconds_by_rows(),
+                                       exactness=self.exactness.statement)

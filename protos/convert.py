@@ -171,12 +171,14 @@ def draft_event_from_pb(message: draft_pb2.DraftEvent) -> DraftEvent:
 def service_info_pb(role: str, loaded: LoadedModel, max_context: int, active_sessions: int,
                     limits: SessionLimits, started_ns: int, forward_s: Sequence[float] = (),
                     overlap: bool = False, batching: str = "",
-                    live_forward_s: Sequence[float] = ()) -> common_pb2.ServiceInfo:
+                    live_forward_s: Sequence[float] = (), exactness: str = "") -> common_pb2.ServiceInfo:
     """What a backend serves (its ``Info`` answer); ``forward_s``: its measured forward costs;
     ``live_forward_s``: the forward seconds it observed while serving, by rows
     (:class:`disco.engines.live_costs.LiveCosts`);
     ``overlap``: the draft engine pre-drafts (overlapped drafting); ``batching``: how
-    concurrent sessions' forwards run (:class:`disco.engines.packing_proof.PackingVerdict`)."""
+    concurrent sessions' forwards run (:class:`disco.engines.packing_proof.PackingVerdict`);
+    ``exactness``: whether greedy output is proven equal to target-only on its device
+    (:class:`disco.engines.packing_proof.Exactness`)."""
     parameter = next(loaded.model.parameters())
     return common_pb2.ServiceInfo(
         role=role, model_name=loaded.name, fingerprint=loaded.fingerprint, tokenizer_hash=loaded.tokenizer_hash,
@@ -184,4 +186,4 @@ def service_info_pb(role: str, loaded: LoadedModel, max_context: int, active_ses
         dtype=loaded.engine or str(parameter.dtype).removeprefix("torch."), device=str(parameter.device),
         active_sessions=active_sessions, max_sessions=limits.max_sessions, idle_ttl_s=limits.idle_ttl_s,
         version=disco.__version__, elapsed_ns=elapsed_ns(started_ns), forward_s=list(forward_s),
-        overlap=overlap, batching=batching, live_forward_s=list(live_forward_s))
+        overlap=overlap, batching=batching, live_forward_s=list(live_forward_s), exactness=exactness)

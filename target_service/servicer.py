@@ -11,6 +11,7 @@ from typing import Sequence
 
 import grpc
 
+from disco.engines.packing_proof import exactness_for
 from disco.engines.sessions import SessionLimits
 from disco.engines.target import TargetEngine
 from disco.errors import InvalidRequest
@@ -35,6 +36,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.max_prompt_tokens = max_prompt_tokens  # applies to re-prefills too (prompt + tokens so far)
         self.metrics = metrics or ServerMetrics("target", loaded.name)
         self.metrics.track_sessions(engine.active_sessions, limits.max_sessions)
+        # Proven when the engine's batcher started (kept on the model): stated in Info and /metrics.
+        self.exactness = exactness_for(loaded.model)
+        self.metrics.describe_exactness(self.exactness.proven, self.exactness.statement)
         self.device = next(loaded.model.parameters()).device
 
     def StartSession(self, request: target_pb2.StartTargetSessionRequest,
@@ -65,4 +69,5 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return convert.service_info_pb("target", self.loaded, self.engine.max_context,
                                        self.engine.active_sessions(), self.limits, time.perf_counter_ns(),
                                        self.forward_s, batching=self.engine.batcher.verdict.detail,
-                                       live_forward_s=self.engine.batcher.live_costs.seconds_by_rows())
+                                       live_forward_s=self.engine.batcher.live_costs.seconds_by_rows(),
+                                       exactness=self.exactness.statement)

@@ -36,6 +36,7 @@ from typing import Iterator, NamedTuple, Sequence
 import torch
 from tqdm import tqdm
 
+from disco.engines import device_clock
 from disco.errors import InvalidRequest
 from disco.speculation.cost_model import CostModel
 
@@ -212,6 +213,7 @@ def time_forwards(model: torch.nn.Module, context_tokens: int, sizes: Sequence[i
     from disco.engines.kv import CachedSequence  # noqa: PLC0415 - transformers only when measuring
 
     vocab = int(model.config.vocab_size)
+    device = next(model.parameters()).device  # NOTE: CUDA runs kernels asynchronously: timers wait for it
     context = [(i * 7919) % (vocab - 1) + 1 for i in range(context_tokens)]
     samples: dict[int, list[float]] = {k: [] for k in sizes}
     bar = tqdm(total=2 + (repeats + 1) * len(samples), unit="fwd", disable=not progress,
@@ -222,17 +224,17 @@ def time_forwards(model: torch.nn.Module, context_tokens: int, sizes: Sequence[i
         CachedSequence(model, [*context, context[-1]]).prefill()
         bar.update(1)
         sequence = CachedSequence(model, [*context, context[-1]])
-        started = time.perf_counter()
+        started = device_clock.now(device)
         sequence.prefill()  # the context is in the cache; one token stays pending
-        prefill_s = time.perf_counter() - started
+        prefill_s = device_clock.now(device) - started
         sequence.truncate(context_tokens)
         bar.update(1)
         for round_index in range(repeats + 1):  # round 0 warms up
             for k in samples:
                 sequence.tokens.extend((context_tokens + round_index + i) % (vocab - 1) + 1 for i in range(k))
-                started = time.perf_counter()
+                started = device_clock.now(device)
                 sequence.forward(k)
-                elapsed = time.perf_counter() - started
+                elapsed = device_clock.now(device) - started
                 sequence.truncate(context_tokens)
                 if round_index:
                     samples[k].append(elapsed)

@@ -20,6 +20,16 @@ A quantized model is cached as one safetensors file holding every tensor of the 
 load builds the model skeleton on the meta device and assigns the tensors: seconds, no
 dense weights read and nothing re-quantized (:func:`save_quantized`,
 :func:`load_quantized`).
+
+The cache is keyed by format and by device kind: the folder's name carries the format
+(:data:`QUANT_FORMATS`, ``disco.models.loading.quantized_folder``), and the manifest names the
+device kind whose kernels the tensors are laid out for (:data:`CACHE_DEVICE`: int4's packed
+weights are in the layout of ``_convert_weight_to_int4pack_for_cpu``, which a CUDA int4
+kernel would read as other numbers). :func:`read_manifest` and :func:`load_quantized` refuse
+a cache of another format or device kind; a manifest from before the field was written for
+the CPU (the only device these engines run on: ``ModelConfig.validate`` refuses int8/int4 on
+CUDA). NOTE: the folder name holds no device because only CPU layouts exist; an engine with
+CUDA weight-only kernels gets formats of its own in :data:`QUANT_FORMATS`.
 """
 
 from __future__ import annotations
@@ -45,6 +55,8 @@ QUANT_FORMAT = QUANT_FORMATS["int8"]
 COMPUTE_DTYPE = torch.bfloat16
 #: Whether the LM head is quantized too (decided by measurement, docs/engines.md).
 QUANTIZE_LM_HEAD = True
+#: The device kind the cached tensors are laid out for (the weight-only kernels are torch's CPU ops).
+CACHE_DEVICE = "cpu"
 #: Written last into a cache folder: marks it complete and says what it holds.
 MANIFEST_FILE = "disco_quantized.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -195,8 +207,8 @@ def save_quantized(model: nn.Module, folder: Path, manifest: dict, engine: str =
     tmp.mkdir(parents=True)
     try:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        (tmp / MANIFEST_FILE).write_text(json.dumps({**manifest, "format": QUANT_FORMATS[engine], "aliases": aliases},
-                                                    indent=2) + "\n")
+        (tmp / MANIFEST_FILE).write_text(json.dumps({**manifest, "format": QUANT_FORMATS[engine],
+                                                     "device": CACHE_DEVICE, "aliases": aliases}, indent=2) + "\n")
         for path in tmp.iterdir():  # NOTE: services may run as another user
             path.chmod(0o644)
     except BaseException:
@@ -209,25 +221,32 @@ def save_quantized(model: nn.Module, folder: Path, manifest: dict, engine: str =
     tmp.rename(folder)
 
 
-def read_manifest(folder: Path) -> dict | None:
-    """The manifest of a complete cache folder of a current format, else ``None``."""
+def read_manifest(folder: Path, device: str = CACHE_DEVICE) -> dict | None:
+    """The manifest of a complete cache folder of a current format laid out for ``device``'s
+    kind (a manifest without ``"device"``: :data:`CACHE_DEVICE`, all that was written before
+    the field), else ``None``."""
     try:
         manifest = json.loads((folder / MANIFEST_FILE).read_text())
     except (OSError, ValueError):
         return None
-    return manifest if isinstance(manifest, dict) and manifest.get("format") in QUANT_FORMATS.values() else None
+    if not isinstance(manifest, dict) or manifest.get("format") not in QUANT_FORMATS.values():
+        return None
+    return manifest if manifest.get("device", CACHE_DEVICE) == torch.device(device).type else None
 
 
 def load_quantized(skeleton: nn.Module, folder: Path, device: str = "cpu") -> nn.Module:
-    """Fill a meta-device :func:`quantized_skeleton` with the tensors saved in ``folder``.
+    """Fill a meta-device :func:`quantized_skeleton` with the tensors saved in ``folder``,
+    for ``device`` (the cache must be laid out for its kind).
 
     Raises:
-        ValueError: the file does not match the skeleton (a tensor missing, extra, or
-            of another shape), so the cache cannot be used.
+        ValueError: no complete cache of a current format for ``device``'s kind, or the file
+            does not match the skeleton (a tensor missing, extra, or of another shape), so the
+            cache cannot be used.
     """
-    manifest = read_manifest(folder)
+    manifest = read_manifest(folder, device)
     if manifest is None:
-        raise ValueError(f"{folder} holds no complete quantized model of a current format")
+        raise ValueError(f"{folder} holds no complete quantized model of a current format for "
+                         f"{torch.device(device).type}")
     stored = load_file(str(folder / WEIGHTS_FILE), device=device)
     expected = dict(_named_tensors(skeleton))
     names = set(stored) | set(manifest.get("aliases", {}))

@@ -14,6 +14,13 @@ What the CPU kernels do (torch 2.13.0+cpu, measured with :func:`probe_plan`'s in
   (out 32 x in 64: calls of 1-2 rows differ from 3 or more; out 16: 1-4 rows from 5 or more).
 - AVX2-only AMD EPYC: row-invariant in bf16 and int8 for the shapes measured.
 
+- CUDA (not run yet: no GPU was at hand): cuBLAS picks a GEMM kernel by the call's shape,
+  rows included, so a one-row call and a verification block may sum differently. The probe
+  is device-generic (it runs where the linear lives); :mod:`disco.models.loading` probes at
+  load on a CPU only, and on another device the engine's decoding proof
+  (:func:`disco.engines.packing_proof.exactness_for`) calls :func:`stabilize` where a
+  verified block differs from decoding.
+
 So every call of a low-precision linear follows one :class:`RowPlan`: calls of fewer than
 ``min_rows`` rows get zero rows added, calls of more than ``max_rows`` rows are cut into
 chunks. :func:`stabilize` probes the model's own linear shapes at load, for *every* row
@@ -156,10 +163,15 @@ def _probe_call(module: nn.Module) -> tuple[RowCall, torch.Tensor]:
 
 
 def _stabilizable(module: nn.Module) -> bool:
+    """A low-precision linear without a plan yet, on any device (the probe runs where it lives)."""
     if isinstance(module, WeightOnlyLinear):
-        return next(module.buffers()).device.type == "cpu"
-    return (type(module) is nn.Linear and module.weight.dtype in (torch.bfloat16, torch.float16)
-            and module.weight.device.type == "cpu")
+        return module.row_plan is None
+    return type(module) is nn.Linear and module.weight.dtype in (torch.bfloat16, torch.float16)
+
+
+def needs_plans(model: nn.Module) -> bool:
+    """Whether the model has low-precision linears :func:`stabilize` has not given a plan."""
+    return any(_stabilizable(module) for module in model.modules())
 
 
 def _shape_key(module: nn.Module) -> tuple:
@@ -168,10 +180,18 @@ def _shape_key(module: nn.Module) -> tuple:
 
 
 def stabilize(model: nn.Module) -> str:
-    """Give the model's low-precision CPU linears (bf16/fp16 ``nn.Linear``, int8/int4
-    weight-only) a :class:`RowPlan` proven on this machine (module doc); returns what was
-    done, for the load log. Float32 layers are left alone (near-ties there are ~1e-5 apart
-    and the exactness tests hold)."""
+    """Give the model's low-precision linears (bf16/fp16 ``nn.Linear``, int8/int4
+    weight-only) a :class:`RowPlan` proven on this machine, with the probe on the device the
+    linear lives on (module doc); returns what was done, for the load log, and keeps that
+    line on the model (``_disco_row_plans``: the engine's exactness statement names it).
+    Float32 layers are left alone (near-ties there are ~1e-5 apart and the exactness tests
+    hold)."""
+    line = _stabilize(model)
+    model._disco_row_plans = line
+    return line
+
+
+def _stabilize(model: nn.Module) -> str:
     linears = [module for module in model.modules() if _stabilizable(module)]
     plans: dict[tuple, RowPlan | None] = {}
     for module in linears:
@@ -180,7 +200,7 @@ def stabilize(model: nn.Module) -> str:
             plans[key] = probe_plan(*_probe_call(module))
             logger.debug("row plan of %s: %s", key, plans[key])
     if not plans:
-        return "no low-precision CPU linears"
+        return "no low-precision linears"
     unstable = [key for key, plan in plans.items() if plan is None]
     if unstable:
         logger.warning("this machine's linear kernels give a row other bits depending on the rows of the call, "

@@ -95,6 +95,16 @@ def chunked_gemm(rows: torch.Tensor,  # [n, in_features], any float dtype
     return out
 
 
+def _now(device: torch.device) -> float:
+    """``time.perf_counter()`` once ``device`` has run its queued kernels.
+
+    NOTE: :func:`disco.engines.device_clock.now`'s rule, restated here because
+    :mod:`disco.models` may not import :mod:`disco.engines` (tests/test_layers.py)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def choose_dense_dtype(model: nn.Module, rows: int = 128) -> str:
     """Time a prefill-sized GEMM of the model's largest weight-only linear in float32 and in
     bfloat16 (:func:`chunked_gemm`, best of 3 each, interleaved) and give every weight-only
@@ -107,15 +117,17 @@ def choose_dense_dtype(model: nn.Module, rows: int = 128) -> str:
         return "no weight-only linears"
     probe = max(linears, key=lambda module: module.in_features * module.out_features
                 if module.out_features < 65536 else 0)  # not the LM head: prefill asks one row of it
-    inputs = torch.randn(rows, probe.in_features, generator=torch.Generator().manual_seed(0)).to(probe.compute_dtype)
+    device = next(probe.buffers()).device  # the timers wait for its queued kernels (CUDA)
+    inputs = torch.randn(rows, probe.in_features, generator=torch.Generator().manual_seed(0)).to(
+        dtype=probe.compute_dtype, device=device)
     seconds = {torch.float32: [], torch.bfloat16: []}
     with torch.no_grad():
         for _ in range(3):
             for dtype, timings in seconds.items():
                 probe.dense_dtype = dtype
-                started = time.perf_counter()
+                started = _now(device)
                 probe._dense(inputs)
-                timings.append(time.perf_counter() - started)
+                timings.append(_now(device) - started)
     # bf16 must win clearly: where both cost about the same, noise must not flip a restart's
     # prefill numerics (a near-tie could then differ between two starts or two replicas).
     best = torch.bfloat16 if min(seconds[torch.bfloat16]) < DENSE_BF16_MARGIN * min(seconds[torch.float32]) \

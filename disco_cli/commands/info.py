@@ -38,6 +38,8 @@ def run(args: argparse.Namespace) -> int:
         state = (f"{model['model_name']} ({model['dtype']}, {model['device']}, context {model['max_context']}), "
                  f"{active[role]}/{model['max_sessions']} sessions" if model else "unreachable")
         print(f"  {role:<7} {info['addresses'][role]:<22} {state}")
+        if model and model.get("exactness"):  # empty from a server older than the field
+            print(f"          exactness: {model['exactness']}")
     limits = info["limits"]
     print(f"  requests: {active['orchestrator']}/{limits['max_sessions']} active, max_new_tokens <= "
           f"{limits['max_new_tokens']}, max_lookahead <= {limits['max_lookahead']}")

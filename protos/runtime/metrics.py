@@ -79,6 +79,17 @@ class ServerMetrics:
 
         gauge.set_function(mean)
 
+    def describe_exactness(self, proven: bool, statement: str) -> None:
+        """State whether greedy output is proven equal to target-only on this engine's device
+        (``disco_exactness_proven``: 1 proven bit for bit at start, 0 not proven: near-ties
+        may differ; ``disco_exactness_info{statement}``: the engine's
+        :class:`disco.engines.packing_proof.Exactness` line)."""
+        Gauge("disco_exactness_proven", "1: verified blocks proven at start to give decoding's logits bit for bit "
+              "on this device (greedy output equals target-only); 0: not proven, greedy output may differ from "
+              "target-only on near-ties", registry=self.registry).set(int(proven))
+        Info("disco_exactness", "Whether greedy speculative output is proven equal to target-only here, and how",
+             registry=self.registry).info({"statement": statement})
+
     def track_live_costs(self, seconds_by_rows: Callable[[], Sequence[float]]) -> None:
         """``disco_forward_seconds_live{rows}``: the engine's observed forward seconds by rows
         (:class:`disco.engines.live_costs.LiveCosts`), read at every scrape; row counts
