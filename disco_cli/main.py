@@ -30,6 +30,7 @@ COMMAND_MODULES = (
     "disco_cli.commands.bench_concurrency",
     "disco_cli.commands.serve", "disco_cli.commands.info", "disco_cli.commands.bench_transport",
     "disco_cli.commands.http",
+    "disco_cli.commands.doctor",
     "disco_cli.commands.ray",
 )
 

@@ -1,0 +1,127 @@
+"""CUDA tests (``pytest -m gpu``): the tiny random models on a CUDA device.
+
+Written to run on a CUDA machine; without one every test here is skipped with the reason
+(they are collected by the default run too, and skip there). Each builds its models on
+``cuda`` from the session's tiny CPU models (float32 unless it says otherwise).
+"""
+
+import copy
+import json
+
+import pytest
+import torch
+
+from disco.config import SamplingParams, SpeculationConfig
+from disco.engines.kv import CachedSequence
+from disco_cli.doctor_checks import generate_concurrently
+from disco_cli.main import main
+from tests.helpers import PROMPTS, local_generator
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: torch.cuda.is_available() is False"),
+]
+
+DEVICE = "cuda"
+MAX_NEW_TOKENS = 24
+
+
+def on_cuda(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    return copy.deepcopy(model).to(device=DEVICE, dtype=dtype).eval()
+
+
+@pytest.fixture(scope="module")
+def cuda_pair(target_model, drafts):
+    """The tiny target and its noisy copy (mixed acceptance) on the CUDA device."""
+    return on_cuda(target_model), on_cuda(drafts["noisy"])
+
+
+def greedy(max_new_tokens: int = MAX_NEW_TOKENS) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+
+
+def test_greedy_speculative_output_equals_target_only_on_cuda(cuda_pair, tokenizer):
+    target, draft = cuda_pair
+    generator = local_generator(target, draft, tokenizer)
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt)["input_ids"]
+        reference = generator.generate(ids, greedy(), SpeculationConfig(policy="none")).token_ids
+        assert len(set(reference)) > 8  # varied output: a broken verification would show
+        for policy in ("static:1", "static:4", "heuristic:2", "confidence:0.4"):
+            result = generator.generate(ids, greedy(), SpeculationConfig(policy=policy))
+            assert result.token_ids == reference, (prompt, policy)
+            assert result.stats.draft_tokens > 0
+
+
+def test_a_seeded_sampled_request_gives_the_same_tokens_alone_and_under_load_on_cuda(cuda_pair, tokenizer):
+    """The sampler's generators live on the model's device (torch.multinomial needs that),
+    and a seeded request is reproducible, also among 7 other sampled requests."""
+    target, draft = cuda_pair
+    generator = local_generator(target, draft, tokenizer)
+    sampling = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    first = generator.generate(ids, sampling, SpeculationConfig(policy="static:4")).token_ids
+    assert generator.generate(ids, sampling, SpeculationConfig(policy="static:4")).token_ids == first
+    others = [(tokenizer(PROMPTS[i % len(PROMPTS)])["input_ids"], SamplingParams(
+        max_new_tokens=MAX_NEW_TOKENS, temperature=0.8, top_p=0.95, seed=100 + i, ignore_eos=True), "static:4")
+        for i in range(7)]
+    loaded = generate_concurrently(generator, [(ids, sampling, "static:4"), *others])
+    assert loaded[0].token_ids == first
+    other_seed = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=0.8, top_p=0.95, seed=8, ignore_eos=True)
+    assert generator.generate(ids, other_seed, SpeculationConfig(policy="static:4")).token_ids != first
+
+
+@pytest.mark.parametrize("engine", ["int8", "int4"])
+def test_int8_and_int4_on_cuda_are_refused_naming_the_engines_that_run_there(capsys, tiny_pair_dirs, engine):
+    code = main(["generate", "--target", str(tiny_pair_dirs["target"]), "--draft", str(tiny_pair_dirs["draft"]),
+                 "--device", DEVICE, "--dtype", engine, "--prompt", "x"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert f"the {engine} engine runs on a CPU only" in err and "bfloat16, float16 or float32" in err
+
+
+def test_a_packed_batch_of_8_sessions_gives_each_its_solo_forward_on_cuda(cuda_pair, tokenizer):
+    """One packed forward of 8 sessions (prefixes of different lengths, blocks of 1-8
+    tokens) gives each session its solo logits; 8 concurrent greedy requests through the
+    engines' batcher equal target-only run alone."""
+    target, draft = cuda_pair
+    generator_ = torch.Generator().manual_seed(0)
+    vocab = target.config.vocab_size
+    prefixes = [torch.randint(1, vocab, (3 + 5 * i,), generator=generator_).tolist() for i in range(8)]
+    blocks = [torch.randint(1, vocab, (1 + i,), generator=generator_).tolist() for i in range(8)]
+
+    def sessions():
+        made = []
+        for prefix, block in zip(prefixes, blocks):
+            sequence = CachedSequence(target, prefix)
+            sequence.prefill()
+            sequence.tokens.extend(block)
+            made.append(sequence)
+        return made
+
+    alone = [sequence.forward(sequence.num_pending)[0] for sequence in sessions()]
+    batch = sessions()
+    together = CachedSequence.forward_batch(batch, [s.num_pending for s in batch], [False] * len(batch))
+    for (logits, _), expected in zip(together, alone):
+        assert logits.device.type == "cuda"
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+    generator = local_generator(target, draft, tokenizer)
+    prompt_ids = [tokenizer(PROMPTS[i % len(PROMPTS)] + str(i))["input_ids"] for i in range(8)]
+    reference = [generator.generate(ids, greedy(16), SpeculationConfig(policy="none")).token_ids for ids in prompt_ids]
+    generator.verifier.batcher.batch_sizes = []
+    concurrent = generate_concurrently(generator, [(ids, greedy(16), "static:4") for ids in prompt_ids])
+    assert [result.token_ids for result in concurrent] == reference
+    assert max(generator.verifier.batcher.batch_sizes) >= 2  # the sessions did share forwards
+
+
+def test_disco_doctor_passes_on_cuda(capsys, tiny_pair_dirs, tmp_path, monkeypatch):
+    monkeypatch.setenv("DISCO_HOME", str(tmp_path / "home"))
+    code = main(["doctor", "--device", DEVICE, "--json", "--target", str(tiny_pair_dirs["target"]),
+                 "--draft", str(tiny_pair_dirs["draft"])])
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert code == 0 and report["ok"], json.dumps([c for c in report["checks"] if not c["ok"]], indent=1)
+    assert report["checks"][0]["name"] == "device" and report["checks"][0]["capability"]
+    assert report["checks"][1]["checked"] == ["float32", "bfloat16", "float16"]
+    assert {c["name"] for c in report["checks"]} >= {"costs", "greedy-alone", "greedy-batched", "sampled"}
