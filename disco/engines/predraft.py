@@ -40,6 +40,7 @@ import torch
 from disco.engines.batching import ForwardBatcher
 from disco.engines.kv import CachedSequence
 from disco.interfaces import DraftToken, Feedback
+from disco.speculation.acceptance_calibration import AcceptanceCalibration
 from disco.speculation.policies import Decision, StopPolicy, block_budget
 from disco.speculation.policies.learned import DiscoArtifact
 from disco.speculation.policies.simple import OraclePolicy
@@ -67,6 +68,8 @@ def clone_policy(policy: StopPolicy) -> StopPolicy:
         for value in vars(pending.pop()).values():
             if isinstance(value, StopPolicy):  # e.g. auto's inner DISCO policy
                 pending.append(value)
+            elif isinstance(value, AcceptanceCalibration):  # the deployment's, shared by design
+                shared[id(value)] = value
             elif isinstance(value, DiscoArtifact):
                 for part in (value, value.classifier, value.projection, value.spec):
                     if part is not None:

@@ -21,6 +21,10 @@ one-token forwards and no draft pays; int8 weight-only lies in between (short dr
   artifact's tuned threshold is not used). The costs, not a threshold tuned for another
   machine, set how long blocks get: long where verification is nearly free (GPU), short
   where it is not (int8 on AVX2);
+* the rate rule reads each probability through the deployment's online acceptance
+  calibration (:mod:`disco.speculation.acceptance_calibration`) when the policy factory
+  keeps one: the classifier's prediction, mapped to the acceptance the target gave to
+  predictions like it on this deployment (a frozen copy per request);
 * with another stop rule (an artifact of another label, or the confidence fallback), the
   draft side caps the lookahead at the k that maximises the expected speedup for the
   session's running acceptance rate (:func:`best_lookahead`) and the rule stops earlier.
@@ -39,6 +43,7 @@ from __future__ import annotations
 from typing import Callable
 
 from disco.errors import InvalidRequest
+from disco.speculation.acceptance_calibration import AcceptanceCalibration, CalibrationMap
 from disco.speculation.cost_model import CostModel
 from disco.speculation.policies.base import Decision, StopPolicy
 from disco.speculation.signals import TokenSignals
@@ -108,9 +113,14 @@ class AutoPolicy(StopPolicy):
     stop rule under a :func:`best_lookahead` cap for the session's running acceptance rate;
     plain DISCO when no costs are known."""
 
-    def __init__(self, disco: StopPolicy, cost: CostModel | None) -> None:
+    def __init__(self, disco: StopPolicy, cost: CostModel | None,
+                 calibration: AcceptanceCalibration | None = None) -> None:
         self.disco = disco
         self.cost = cost
+        # The deployment's calibration (shared, receives this session's verdicts) and the
+        # frozen copy this request decides with.
+        self.calibration = calibration
+        self.calibration_map = calibration.snapshot() if calibration is not None else CalibrationMap.identity()
         self.needs_signals = disco.needs_signals
         self.needs_hidden = disco.needs_hidden
         self.accepted, self.rejected = PRIOR_ACCEPTED, PRIOR_REJECTED
@@ -119,6 +129,7 @@ class AutoPolicy(StopPolicy):
         self._block_accepted = 1.0  # C_{k-1}: predicted P(every token drafted so far is accepted)
         self._block_tokens = 1.0  # E_k: expected tokens of the block so far
         self._budget = 0  # the block's lookahead budget
+        self._predictions: list[tuple[float, float]] = []  # (raw, calibrated) per token of the block
 
     @property
     def acceptance(self) -> float:
@@ -129,6 +140,7 @@ class AutoPolicy(StopPolicy):
     def begin_block(self, max_lookahead: int) -> int:
         budget = self.disco.begin_block(max_lookahead)
         self._block_accepted, self._block_tokens, self._budget = 1.0, 1.0, budget
+        self._predictions = []
         if self.cost is not None and not self.rate_rule:
             cap, _ = best_lookahead(self.cost, self.acceptance, max_lookahead)
             budget = min(budget, cap)
@@ -138,7 +150,9 @@ class AutoPolicy(StopPolicy):
         decision = self.disco.after_token(position, token_id, signals)
         if not self.rate_rule:
             return decision
-        probability = float(self.disco.last_probability)  # type: ignore[attr-defined]
+        raw = float(self.disco.last_probability)  # type: ignore[attr-defined]
+        probability = self.calibration_map(raw)
+        self._predictions.append((raw, probability))
         return Decision.CONTINUE if self.marginal_beats_block(position + 1, probability) else Decision.STOP
 
     def marginal_beats_block(self, drafted: int, probability: float) -> bool:
@@ -164,6 +178,10 @@ class AutoPolicy(StopPolicy):
         cost = self.cost
         assert cost is not None
         return drafted * cost.t_draft + cost.verify(drafted) + 2 * cost.t_rtt
+
+    def observe_verification(self, num_drafted: int, num_accepted: int) -> None:
+        if self.calibration is not None and self._predictions:
+            self.calibration.observe(self._predictions[:num_drafted], num_accepted)
 
     def on_feedback(self, num_drafted: int, num_accepted: int) -> None:
         self.disco.on_feedback(num_drafted, num_accepted)
@@ -205,7 +223,8 @@ def split_disco_argument(spec: str, argument: str) -> tuple[str, CostModel | Non
     return path, cost
 
 
-def auto_factory(spec: str, argument: str, disco_factory: Callable[[], StopPolicy]) -> Callable[[], StopPolicy]:
+def auto_factory(spec: str, argument: str, disco_factory: Callable[[], StopPolicy],
+                 calibration: AcceptanceCalibration | None = None) -> Callable[[], StopPolicy]:
     """Per-session :class:`AutoPolicy` factory for the spec ``auto[:costs]``."""
     cost = decode_costs(spec, argument)
-    return lambda: AutoPolicy(disco_factory(), cost)
+    return lambda: AutoPolicy(disco_factory(), cost, calibration)

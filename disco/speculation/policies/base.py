@@ -8,8 +8,8 @@ The drafting loop (inside the draft engine) does, per block::
         decision = policy.after_token(position, token, signals)
         ...  # CONTINUE, STOP (keep the token), DISCARD (drop it, then stop)
 
-and after the target verified the block, ``policy.on_feedback(num_drafted,
-num_accepted)`` lets stateful policies (heuristic schedule, adaptive threshold, DISCO's
+and after the target verified the block, ``policy.observe_verification(num_drafted,
+num_accepted)`` and ``policy.on_feedback(num_drafted, num_accepted)`` let stateful policies (heuristic schedule, adaptive threshold, DISCO's
 session features) learn from the outcome.
 """
 
@@ -46,6 +46,12 @@ class StopPolicy:
 
     def on_feedback(self, num_drafted: int, num_accepted: int) -> None:
         """The target accepted ``num_accepted`` of the ``num_drafted`` tokens."""
+
+    def observe_verification(self, num_drafted: int, num_accepted: int) -> None:
+        """The verdict on the block this policy drafted, as the target gave it (called once
+        per verified block with the real feedback, never with a pre-drafting guess; unlike
+        :meth:`on_feedback`, which a pre-draft's copy also receives with its guess). For
+        what outlives the session: ``auto``'s deployment-wide acceptance calibration."""
 
 
 def block_budget(policy: StopPolicy, max_lookahead: int, room: int | None = None) -> int:

@@ -8,10 +8,12 @@ draft service) can validate a spec before doing any work.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from disco.errors import InvalidRequest
+from disco.speculation.acceptance_calibration import AcceptanceCalibration
 from disco.speculation.policies.auto import AutoPolicy, auto_factory, decode_costs, split_disco_argument
 from disco.speculation.policies.base import StopPolicy
 from disco.speculation.policies.simple import (
@@ -136,10 +138,31 @@ class PolicyFactory:
 
     ``learned_loader`` resolves ``disco:PATH`` artifacts (and caches them); without one,
     ``disco:`` specs are refused with a clear message.
+
+    One factory serves one draft deployment: with ``calibrate_acceptance`` it keeps an
+    :class:`~disco.speculation.acceptance_calibration.AcceptanceCalibration` per artifact,
+    shared by the sessions whose rate rule reads it (``auto``, ``disco:PATH@COSTS``), so
+    the verdicts of earlier requests recalibrate the classifier for the next ones.
     """
 
-    def __init__(self, learned_loader: LearnedPolicyLoader | None = None) -> None:
+    def __init__(self, learned_loader: LearnedPolicyLoader | None = None, calibrate_acceptance: bool = True) -> None:
         self._learned_loader = learned_loader
+        self._calibrate = calibrate_acceptance
+        self._calibrations: dict[str, AcceptanceCalibration] = {}
+        self._lock = threading.Lock()
+
+    def calibration(self, artifact: str) -> AcceptanceCalibration | None:
+        """The deployment's acceptance calibration of ``artifact`` (``None`` when off)."""
+        if not self._calibrate:
+            return None
+        with self._lock:
+            return self._calibrations.setdefault(artifact, AcceptanceCalibration())
+
+    def calibration_summaries(self) -> dict[str, dict]:
+        """Per artifact: tokens judged and the calibration error before/after (observability)."""
+        with self._lock:
+            calibrations = dict(self._calibrations)
+        return {artifact: calibration.summary() for artifact, calibration in calibrations.items()}
 
     def _auto_stop_rule(self) -> Callable[[], StopPolicy]:
         """``auto``'s stop decision: the shipped DISCO artifact where it fits this draft,
@@ -172,12 +195,12 @@ class PolicyFactory:
                 raise InvalidRequest("the oracle policy needs the target's reference output (in-process analysis only)")
             return OraclePolicy(reference_ids)
         if name == "auto":
-            return auto_factory(parsed.text, argument, self._auto_stop_rule())()
+            return auto_factory(parsed.text, argument, self._auto_stop_rule(), self.calibration("default"))()
         if name == "disco":
             if self._learned_loader is None:
                 raise InvalidRequest(f"policy {parsed.text!r} needs a trained DISCO artifact, "
                                      "but this drafter has no artifact loader")
             path, cost = split_disco_argument(parsed.text, argument)
             policy = self._learned_loader(path)()
-            return AutoPolicy(policy, cost) if cost is not None else policy
+            return AutoPolicy(policy, cost, self.calibration(path)) if cost is not None else policy
         raise AssertionError(f"unhandled policy {name}")  # parse_policy_spec rejects the rest
