@@ -181,3 +181,24 @@ def test_blocks_become_target_only_steps_under_load_and_the_draft_catches_up_whe
     assert all(k > 0 for k in lookaheads[:3]) and lookaheads[3:7] == [0, 0, 0, 0]
     assert any(k > 0 for k in lookaheads[7:])  # speculating again after the load fell
     assert result.stats.draft_reprefills == 1  # the draft session caught up once
+
+
+def test_under_load_speculation_must_pay_by_the_load_margin():
+    """A gain the single-session bar accepts (>= MIN_SPEEDUP) but inside the spread measured
+    under load (< MIN_SPEEDUP_UNDER_LOAD) speculates alone and not with sessions in flight."""
+    from disco.speculation.policies.auto import (  # noqa: PLC0415
+        MIN_SPEEDUP,
+        MIN_SPEEDUP_UNDER_LOAD,
+        OPTIMISTIC_ACCEPTANCE,
+    )
+
+    # one draft token for 1.9 expected tokens at a verification of 1.8x a target-only step: ~1.05x
+    marginal = CostModel(t_draft=0.005, t_verify=(0.1, 0.175))
+    gain = best_lookahead(marginal, OPTIMISTIC_ACCEPTANCE, 1)[1]
+    assert MIN_SPEEDUP <= gain < MIN_SPEEDUP_UNDER_LOAD
+    assert speculation_pays(marginal, 1)
+    loaded = live_cost_model(marginal, [], [], sessions=1)
+    assert speculation_pays(loaded, 1)  # one session: the usual bar
+    under_load = CostModel(t_draft=0.005, t_verify=(0.1, 0.175), extra={"sessions": 4})
+    assert not speculation_pays(under_load, 1)
+    assert live_cost_model(marginal, [0.1, 0.175], [0.005], sessions=4).extra["sessions"] == 4

@@ -70,4 +70,4 @@ def live_cost_model(calibrated: CostModel, target_live: Sequence[float], draft_l
     return CostModel(t_draft=draft(sessions),
                      t_verify=tuple(target(sessions * (k + 1)) for k in range(len(calibrated.t_verify))),
                      t_rtt=calibrated.t_rtt, source=f"{calibrated.source}, {observed}, {sessions} session(s)",
-                     extra=dict(calibrated.extra))
+                     extra={**calibrated.extra, "sessions": sessions})
