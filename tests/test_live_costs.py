@@ -170,7 +170,7 @@ def test_blocks_become_target_only_steps_under_load_and_the_draft_catches_up_whe
     from tests.helpers import PROMPTS, local_generator  # noqa: PLC0415
 
     generator = local_generator(target_model, drafts[draft_kind], tokenizer)
-    loads = iter([PAYS] * 3 + [DOES_NOT_PAY] * 4 + [PAYS] * 100)
+    loads = iter([PAYS] * 4 + [DOES_NOT_PAY] * 4 + [PAYS] * 100)  # the first: the load at the start
     generator.costs, generator.costs_now = PAYS, lambda: next(loads)
     sampling = SamplingParams(max_new_tokens=40, ignore_eos=True)
     ids = tokenizer(PROMPTS[1])["input_ids"]
@@ -202,3 +202,51 @@ def test_under_load_speculation_must_pay_by_the_load_margin():
     under_load = CostModel(t_draft=0.005, t_verify=(0.1, 0.175), extra={"sessions": 4})
     assert not speculation_pays(under_load, 1)
     assert live_cost_model(marginal, [0.1, 0.175], [0.005], sessions=4).extra["sessions"] == 4
+
+
+class _CountingStarts:
+    """A drafter that counts its sessions started."""
+
+    def __init__(self, drafter) -> None:
+        self.drafter, self.starts = drafter, 0
+
+    def start_session(self, *args, **kwargs):
+        self.starts += 1
+        return self.drafter.start_session(*args, **kwargs)
+
+    def end_session(self, session_id: str) -> None:
+        self.drafter.end_session(session_id)
+
+    def draft(self, *args, **kwargs):
+        return self.drafter.draft(*args, **kwargs)
+
+
+@pytest.mark.parametrize("seed", [None, 7])
+def test_under_load_the_draft_session_starts_at_the_first_block_that_pays(target_model, drafts, tokenizer, seed):
+    """A request admitted while other sessions are in flight prefills no draft session until a
+    block pays: none at all where no block does (a burst pays no draft prefill the per-block
+    check would throw away), and where the first block pays, the same tokens as a request
+    that prefilled its draft with the prompt (greedy and seeded sampling alike)."""
+    from disco.config import SamplingParams, SpeculationConfig  # noqa: PLC0415
+    from tests.helpers import PROMPTS, local_generator  # noqa: PLC0415
+
+    loaded = lambda costs: CostModel(t_draft=costs.t_draft, t_verify=costs.t_verify,  # noqa: E731
+                                     extra={"sessions": 4})
+    sampling = SamplingParams(max_new_tokens=24, ignore_eos=True) if seed is None else SamplingParams(
+        max_new_tokens=24, temperature=0.8, seed=seed)
+    ids = tokenizer(PROMPTS[2])["input_ids"]
+    runs = {}
+    for label, load in (("alone", PAYS), ("loaded, pays", loaded(PAYS)), ("loaded, never pays", loaded(DOES_NOT_PAY))):
+        generator = local_generator(target_model, drafts["noisy"], tokenizer)
+        generator.drafter = counting = _CountingStarts(generator.drafter)
+        generator.costs, generator.costs_now = PAYS, lambda load=load: load
+        result = generator.generate(ids, sampling, SpeculationConfig(policy="auto"))
+        runs[label] = (result.token_ids, counting.starts, result.stats)
+    reference = local_generator(target_model, None, tokenizer).generate(ids, sampling, SpeculationConfig(policy="none"))
+    assert runs["alone"][1] == runs["loaded, pays"][1] == 1 and runs["loaded, never pays"][1] == 0
+    assert runs["loaded, pays"][0] == runs["alone"][0]  # same seeds, same blocks: same tokens
+    assert runs["loaded, pays"][2].lookaheads == runs["alone"][2].lookaheads
+    assert runs["loaded, pays"][2].draft_reprefills == runs["loaded, never pays"][2].draft_reprefills == 0
+    assert set(runs["loaded, never pays"][2].lookaheads) == {0}
+    if seed is None:
+        assert runs["alone"][0] == runs["loaded, never pays"][0] == reference.token_ids

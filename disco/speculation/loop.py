@@ -149,6 +149,12 @@ class SpeculativeGenerator:
             return "none"
         return with_costs("auto", self.costs)
 
+    def _sessions_in_flight(self) -> int:
+        """Sessions the deployment serves now, this one included (from ``costs_now``'s model; 1
+        when it does not say)."""
+        costs = self.costs_now() if self.costs_now is not None else None
+        return int(costs.extra.get("sessions", 1)) if costs is not None else 1
+
     def _run(self, prompt_ids: list[int], sampling: SamplingParams, speculation: SpeculationConfig,
              uses_draft: bool, reference_ids: list[int] | None, load_aware: bool = False
              ) -> Iterator[GenerationEvent]:
@@ -161,9 +167,17 @@ class SpeculativeGenerator:
         generated: list[int] = []
         finish_reason = ""
         sessions_started: list = []
+        # Under load (other sessions in flight) an ``auto`` request starts its draft session at
+        # the first block that pays, not with the prompt: a burst of requests admitted together
+        # sees the load only as it arrives, and a draft prefill the first block's check throws
+        # away costs the other sessions' forwards (docs/engines.md, "A margin under load").
+        defer_draft = load_aware and uses_draft and self._sessions_in_flight() > 1
         try:
             # 1. Prefill: one session in each service.
-            if uses_draft and self.parallel_prefill:
+            if defer_draft:
+                self.verifier.start_session(session_id, prompt_ids, target_sampling)
+                sessions_started.append(self.verifier)
+            elif uses_draft and self.parallel_prefill:
                 uses_draft = self._prefill_at_once(session_id, prompt_ids, target_sampling, draft_sampling,
                                                    speculation, reference_ids, stats, sessions_started)
             else:
@@ -176,7 +190,7 @@ class SpeculativeGenerator:
                                                    reference_ids, stats)
             stats.prefill_s = time.perf_counter() - started
             feedback: Feedback | None = None
-            draft_behind = False  # the draft session misses tokens (blocks skipped under load)
+            draft_behind = defer_draft  # the draft session misses tokens (not started, or blocks skipped under load)
             while not finish_reason:
                 # 2. Draft: never more than can still be used (remaining tokens - bonus).
                 lookahead_cap = min(speculation.max_lookahead, sampling.max_new_tokens - len(generated) - 1)
@@ -189,12 +203,15 @@ class SpeculativeGenerator:
                     if costs is not None and not speculation_pays(costs, lookahead_cap):
                         draft_behind, lookahead_cap = True, 0
                     elif draft_behind:
-                        self._end_quietly(self.drafter, session_id)
+                        if self.drafter in sessions_started:
+                            self._end_quietly(self.drafter, session_id)
+                            stats.draft_reprefills += 1
+                        else:  # deferred at the start: its first prefill
+                            sessions_started.append(self.drafter)
                         uses_draft = self._start_draft(session_id, prompt_ids + generated,
-                                                       draft_sampling.resumed_after(len(generated)),
-                                                       speculation, None, stats)
+                                                       draft_sampling.resumed_after(len(generated)) if generated
+                                                       else draft_sampling, speculation, None, stats)
                         draft_behind, feedback = False, None
-                        stats.draft_reprefills += 1
                 if uses_draft and lookahead_cap > 0:
                     draft_started = time.perf_counter()
                     try:
