@@ -89,6 +89,26 @@ def test_bench_concurrency_reports_the_identical_rate_at_every_level(tiny_pair_d
     assert "| identical |" in capsys.readouterr().out
 
 
+def test_bench_concurrency_rounds_reverse_the_order_and_pool_the_rounds(tiny_pair_dirs, tmp_path, capsys):
+    """``--rounds 2``: every level twice, the policies in order then reversed; a row pools its
+    rounds (tokens over wall time, every request's latency, the identical rate)."""
+    out = tmp_path / "rounds.json"
+    code = main(["bench-concurrency", "--target", str(tiny_pair_dirs["target"]), "--draft",
+                 str(tiny_pair_dirs["draft"]), "--dtype", "float32", "--levels", "3", "--policies",
+                 "none,static:3", "--max-new-tokens", "6", "--rounds", "2", "--json-out", str(out)])
+    assert code == 0
+    payload = json.loads(out.read_text())
+    assert payload["rounds"] == 2
+    order = [line.split(": ")[0].split()[-1] for line in capsys.readouterr().err.splitlines()
+             if line.startswith("concurrency")]
+    assert order == ["none", "static:3", "static:3", "none"]
+    for row in payload["rows"]:
+        assert row["tokens"] == 2 * 6 * 3 and len(row["outputs"]) == 6 and row["identical"] == 1.0
+        assert len(row["rounds_tokens_per_s"]) == 2
+        assert min(row["rounds_tokens_per_s"]) <= row["tokens_per_s"] <= max(row["rounds_tokens_per_s"])
+        assert "latencies" not in row
+
+
 def test_bench_concurrency_puts_policies_side_by_side_per_level(tiny_pair_dirs, tmp_path, capsys):
     """``--policies``: every policy at every level in one run, interleaved per level; each row
     names its policy and level, with latency percentiles and the ratio to ``none``."""

@@ -7,7 +7,14 @@ same prompt run alone (batching must not change a token, in any dtype).
 level (level 1: every policy, then level 4: every policy, ...), so that a machine's drift
 hits them alike; each row carries its policy and level, the aggregate tokens/s, the
 per-request latency (p50, p95) and the ratio to ``none`` at the same level when ``none``
-is among the policies."""
+is among the policies.
+
+``--rounds 2`` runs every level twice, the policies in order and then in reverse (an ABBA
+design): whichever policy runs first at a level gets the machine as the previous level left
+it, and on the project's 2-vCPU machines that order alone moved a policy's ratio to ``none``
+by ~3% (docs/engines.md, "A margin under load"). A row is then the policy's rounds together:
+all their tokens over all their wall time, latencies and identical rate over all requests,
+and each round's tokens/s in ``rounds_tokens_per_s``."""
 
 from __future__ import annotations
 
@@ -33,6 +40,8 @@ def register(subparsers) -> None:
     parser.add_argument("--policies", "--policy", dest="policies", default="none",
                         help="comma-separated stop policies, side by side in one run (default none)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs per level, the policies' order reversed every other round (default 1)")
     parser.add_argument("--server", default=None, metavar="HOST:PORT", help="use a running orchestrator")
     parser.add_argument("--json-out", type=Path, default=None)
     add_model_args(parser)
@@ -66,7 +75,23 @@ def _level(client, concurrency: int, policy: str, max_new_tokens: int) -> dict:
     return {"policy": policy, "concurrency": concurrency, "tokens": tokens, "wall_s": round(wall_s, 3),
             "tokens_per_s": round(tokens / wall_s, 4), "latency_p50_s": round(_percentile(latencies, 50), 4),
             "latency_p95_s": round(_percentile(latencies, 95), 4), "errors": len(errors),
-            "outputs": [list(r.token_ids) if r is not None else None for r in results]}
+            "outputs": [list(r.token_ids) if r is not None else None for r in results], "latencies": latencies}
+
+
+def _merge_rounds(rounds: list[dict]) -> dict:
+    """One row of a policy at a level from its rounds (module docstring)."""
+    if len(rounds) == 1:
+        row = dict(rounds[0])
+        row.pop("latencies")
+        return row
+    latencies = [value for row in rounds for value in row["latencies"]]
+    tokens, wall_s = sum(row["tokens"] for row in rounds), sum(row["wall_s"] for row in rounds)
+    return {"policy": rounds[0]["policy"], "concurrency": rounds[0]["concurrency"], "tokens": tokens,
+            "wall_s": round(wall_s, 3), "tokens_per_s": round(tokens / wall_s, 4),
+            "latency_p50_s": round(_percentile(latencies, 50), 4), "latency_p95_s": round(_percentile(latencies, 95), 4),
+            "errors": sum(row["errors"] for row in rounds), "outputs": [o for row in rounds for o in row["outputs"]],
+            "identical": round(sum(row["identical"] for row in rounds) / len(rounds), 4),  # rounds of equal size
+            "rounds_tokens_per_s": [row["tokens_per_s"] for row in rounds]}
 
 
 def _percentile(values: list[float], percent: float) -> float:
@@ -112,19 +137,23 @@ def run(args: argparse.Namespace) -> int:
                 alone = target_only if policy == "none" else _alone(client, policy, args.max_new_tokens)
                 identical_alone[policy] = sum(alone[p] == target_only[p] for p in PROMPTS) / len(PROMPTS)
             for concurrency in levels:
-                for policy in policies:
-                    row = _level(client, concurrency, policy, args.max_new_tokens)
-                    row["identical"] = round(_identical(row["outputs"], target_only), 4)
-                    rows.append(row)
-                    print(f"concurrency {concurrency:>3} {policy}: {row['tokens_per_s']:.2f} tok/s "
-                          f"({row['tokens']} tokens in {row['wall_s']:.1f} s, p50 {row['latency_p50_s']:.2f} s, "
-                          f"identical {row['identical']:.0%}, errors {row['errors']})", file=sys.stderr, flush=True)
+                by_policy: dict[str, list[dict]] = {policy: [] for policy in policies}
+                for round_index in range(max(1, args.rounds)):
+                    for policy in policies if round_index % 2 == 0 else policies[::-1]:
+                        row = _level(client, concurrency, policy, args.max_new_tokens)
+                        row["identical"] = round(_identical(row["outputs"], target_only), 4)
+                        by_policy[policy].append(row)
+                        print(f"concurrency {concurrency:>3} {policy}: {row['tokens_per_s']:.2f} tok/s "
+                              f"({row['tokens']} tokens in {row['wall_s']:.1f} s, p50 {row['latency_p50_s']:.2f} s, "
+                              f"errors {row['errors']})", file=sys.stderr, flush=True)
+                rows.extend(_merge_rounds(by_policy[policy]) for policy in policies)
     finally:
         if services is not None:
             services.stop()
     _print_table(rows, policies, identical_alone)
     if args.json_out:
         payload = {"policies": policies, "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
+                   "rounds": max(1, args.rounds),
                    "identical_alone": identical_alone, "rows": rows}
         if len(policies) == 1:  # the single-policy layout of earlier result files
             payload.update(policy=policies[0], identical_alone=identical_alone[policies[0]])
