@@ -22,12 +22,13 @@ only, not the transient copies a forward makes; ``--max-kv-bytes`` sets it by ha
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, Iterator, TypeVar
 
 import torch
 
@@ -147,6 +148,18 @@ class SessionStore(Generic[SessionT]):
             self._check_bytes_locked(session_id, tokens)
             self._pending.add(session_id)
             self._kv_tokens[session_id] = tokens
+
+    @contextlib.contextmanager
+    def admitting(self, session_id: str, tokens: int) -> Iterator[None]:
+        """:meth:`reserve` the session, then run the block that builds, prefills and
+        :meth:`add` s it; if the block fails, :meth:`release` the reservation (a refused or
+        failed session leaves nothing behind)."""
+        self.reserve(session_id, tokens)
+        try:
+            yield
+        except BaseException:
+            self.release(session_id)
+            raise
 
     def release(self, session_id: str) -> None:
         """Drop a reservation whose session was not added (a failed prefill)."""

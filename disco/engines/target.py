@@ -60,8 +60,7 @@ class TargetEngine:
             raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})")
         # Admitted (count and KV bytes of every token it can reach) before paying for a prefill.
         reserved = min(self.max_context, len(prompt_ids) + sampling.max_new_tokens)
-        self.sessions.reserve(session_id, reserved)
-        try:
+        with self.sessions.admitting(session_id, reserved):
             # The cache is preallocated for what was reserved (its buffers then never move).
             sequence = CachedSequence(self.model, prompt_ids, capacity=reserved + 1)
             session = TargetSession(
@@ -71,9 +70,6 @@ class TargetEngine:
             )
             self.batcher.prefill(session.sequence)  # batched with concurrent prefills
             self.sessions.add(session_id, session)
-        except BaseException:
-            self.sessions.release(session_id)  # a refused or failed session leaves nothing behind
-            raise
         return PrefillResult(prompt_tokens=len(prompt_ids), elapsed_ns=now_ns(self.device) - started)
 
     def end_session(self, session_id: str) -> None:
