@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from disco.engines import device_clock
 from disco.errors import InvalidRequest
+from disco.models import q4q8
 from disco.speculation.cost_model import CostModel
 
 logger = logging.getLogger(__name__)
@@ -266,8 +267,12 @@ def measure_cost_model(target_model: torch.nn.Module, draft_model: torch.nn.Modu
 
 
 def costs_path(home: Path, fingerprint: str, engine: str, device: str, threads: int) -> Path:
-    """The cache file of one (model, engine, device, threads) combination."""
+    """The cache file of one (model, engine, device, threads) combination; the int4 engine's
+    name carries the kernel it runs here (:func:`disco.models.q4q8.choose_kernel`), so costs
+    timed on the other kernel are not read back."""
     safe_device = device.replace(":", "")
+    if engine == "int4" and device.startswith("cpu"):
+        engine = f"{engine}-{q4q8.choose_kernel(home).kernel}"
     return home / COSTS_DIR / f"{fingerprint}-{engine}-{safe_device}-t{threads}.json"
 
 

@@ -20,9 +20,12 @@ not a multiple of 32 (or output size not of 16) stays int8 (:func:`int4_fits`).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
+from disco.models import q4q8
 from disco.models.weight_only import WeightOnlyLinear, chunked_gemm
 
 #: Input features per quantization group (the kernel takes 32, 64, 128 or 256): 32 is a GGUF
@@ -51,7 +54,14 @@ class Int4Linear(WeightOnlyLinear):
     ``scales_and_zeros`` bf16 ``[in_features // group, out_features, 2]``, ``centered``
     int8 ``[out_features, in_features]`` (``q - 8``, for the dense prefill GEMM), optional
     ``bias`` bf16 ``[out_features]``.
+
+    Decoded rows go to torch's kernel, or, after :meth:`use_kernel` with
+    :data:`disco.models.q4q8.KERNEL`, to the q4 x q8 VNNI kernel over a repacked copy of
+    the same weights (``packed`` is then freed).
     """
+
+    #: The kernel of decoded rows (:func:`disco.models.q4q8.choose_kernel` picks it at load).
+    kernel = q4q8.TORCH_KERNEL
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None) -> None:
@@ -105,7 +115,27 @@ class Int4Linear(WeightOnlyLinear):
     def compute_dtype(self) -> torch.dtype:
         return self.scales_and_zeros.dtype
 
+    def use_kernel(self, kernel: str) -> None:
+        """Multiply decoded rows with ``kernel`` (:data:`disco.models.q4q8.KERNEL` needs its ops
+        loaded: :func:`disco.models.q4q8.load`)."""
+        if kernel == self.kernel:
+            return
+        if kernel != q4q8.KERNEL or self.kernel != q4q8.TORCH_KERNEL:
+            raise ValueError(f"cannot switch an int4 linear from {self.kernel} to {kernel}")
+        q = (self.centered.to(torch.int16) + _MID).to(torch.uint8)
+        self.q4q8_weights = q4q8.pack(q, self.scales_and_zeros[:, :, 0].T, self.scales_and_zeros[:, :, 1].T)
+        self.packed = torch.empty(0, dtype=torch.uint8, device=self.packed.device)
+        self.kernel = kernel
+
+    def probe_twin(self, weight: torch.Tensor,  # [out_features, in_features]
+                   bias: torch.Tensor | None) -> "Int4Linear":  # [out_features]
+        twin = Int4Linear.from_weight(weight, bias, self.compute_dtype)
+        twin.use_kernel(self.kernel)
+        return twin
+
     def _quantized(self, rows: torch.Tensor) -> torch.Tensor:  # rows: [n, in_features] -> [n, out_features]
+        if self.kernel == q4q8.KERNEL:
+            return q4q8.mm(rows, self.q4q8_weights, self.out_features)
         return torch._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_and_zeros)
 
     def _dense(self, rows: torch.Tensor) -> torch.Tensor:  # rows: [n, in_features] -> [n, out_features]
@@ -129,7 +159,19 @@ class Int4Linear(WeightOnlyLinear):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"group_size={self.group_size}, bias={self.bias is not None}")
+                f"group_size={self.group_size}, bias={self.bias is not None}, kernel={self.kernel}")
+
+
+def use_chosen_kernel(model: nn.Module, home: Path) -> str:
+    """Give every :class:`Int4Linear` of ``model`` the kernel chosen for this machine
+    (:func:`disco.models.q4q8.choose_kernel`). Returns a line for the load log."""
+    linears = [module for module in model.modules() if isinstance(module, Int4Linear)]
+    if not linears:
+        return "no int4 linears"
+    choice = q4q8.choose_kernel(home)
+    for module in linears:
+        module.use_kernel(choice.kernel)
+    return choice.reason
 
 
 def quantize_weight_int4(weight: torch.Tensor,  # [out_features, in_features]

@@ -35,6 +35,7 @@ from disco.models import quantize, row_stable
 from disco.models.default_pair import ROLES, default_model, ensure_default_model
 from disco.models.gguf import SOURCE_FILE, convert_gguf, gguf_source
 from disco.models.gguf_blocks import checked_native_weights
+from disco.models.int4 import use_chosen_kernel
 from disco.models.weight_only import choose_dense_dtype
 
 logger = logging.getLogger(__name__)
@@ -122,6 +123,8 @@ def load_model(config: ModelConfig, role: str, home: Path, progress: bool = True
     except (RuntimeError, AssertionError) as error:
         raise ModelError(f"could not move {role} model {name} to {config.device}: {first_line(error)}") from error
     model.eval()
+    if config.dtype == "int4" and config.device == "cpu":  # before the row plans: they probe the kernel
+        logger.info("%s model %s: %s", role, name, use_chosen_kernel(model, home))
     if config.dtype != "float32" and config.device == "cpu":
         logger.info("%s model %s: %s", role, name, row_stable.stabilize(model))
     if config.dtype in quantize.QUANT_FORMATS and config.device == "cpu":

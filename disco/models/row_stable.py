@@ -151,7 +151,7 @@ def _probe_call(module: nn.Module) -> tuple[RowCall, torch.Tensor]:
         dtype = module.compute_dtype
         inputs, weight, bias = cancelling_inputs(PLANS[0].max_rows, module.out_features, module.in_features,
                                                  dtype)
-        probe = type(module).from_weight(weight, bias if module.bias is not None else None, dtype)
+        probe = module.probe_twin(weight, bias if module.bias is not None else None)
         device = next(module.buffers()).device
         return probe.to(device)._quantized, inputs.to(dtype=dtype, device=device)
     dtype, device = module.weight.dtype, module.weight.device

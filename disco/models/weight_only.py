@@ -167,6 +167,11 @@ class WeightOnlyLinear(nn.Module):
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
+    def probe_twin(self, weight: torch.Tensor,  # [out_features, in_features]
+                   bias: torch.Tensor | None) -> "WeightOnlyLinear":  # [out_features]
+        """A layer of this kind and kernel over other weights (the row-plan probe's)."""
+        return type(self).from_weight(weight, bias, self.compute_dtype)
+
     def _quantized(self, rows: torch.Tensor) -> torch.Tensor:  # [n, in_features] -> [n, out_features]
         raise NotImplementedError
 

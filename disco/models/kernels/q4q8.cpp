@@ -1,0 +1,203 @@
+// q4 x q8 dot products with AVX-512 VNNI: the int4 engine's decode and verification kernel.
+//
+// Weights: 4-bit q in [0, 15] per group of 32 inputs, w = (q - 8) * scale + zero (bf16 scale
+// and zero per group and output channel: the int4 engine's grid, a GGUF Q4_K sub-block as it
+// is). Activations: each row quantized to int8 per group of 32 (scale = max|x| / 127, round to
+// nearest), as llama.cpp's q8 activations. One output channel's value is
+//   sum_g  scale_g * dx_g * (sum_k q_k xq_k - 8 sum_k xq_k)  +  zero_g * sum_k x_k
+// accumulated in float32 over the groups in order. Every row is computed from its own input
+// row alone, by the same instructions in the same order whatever the other rows of the call:
+// row-invariant by construction (the engine's row plan still probes it at load).
+//
+// Packed layout (pack_q4q8): for each block of 16 output channels, for each group of 32
+// inputs, 320 bytes: 4 x 64 bytes of nibbles, then the 16 scales and the 16 zeros (bf16).
+// In the 64 bytes of inputs k0..k0+7, byte 4*j + b holds q[n0 + j][k0 + b] in its low nibble
+// and q[n0 + j][k0 + 4 + b] in its high nibble, so that one VPDPBUSD multiplies four inputs
+// of 16 channels at once (lane j = channel n0 + j) and no horizontal sum is ever needed.
+#include <immintrin.h>
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kLanes = 16;
+constexpr int64_t kGroupBytes = 4 * 64 + 2 * kLanes * 2;  // nibbles + bf16 scales + bf16 zeros
+constexpr int64_t kRowTile = 8;                           // rows sharing one pass over the weights
+
+inline float bf16_to_float(uint16_t bits) {
+  uint32_t word = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &word, sizeof(value));
+  return value;
+}
+
+inline uint16_t float_to_bf16(float value) {  // round to nearest even, as torch does
+  uint32_t word;
+  std::memcpy(&word, &value, sizeof(word));
+  if ((word & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((word >> 16) | 0x40);  // NaN
+  word += 0x7fffu + ((word >> 16) & 1u);
+  return static_cast<uint16_t>(word >> 16);
+}
+
+inline __m512 load_bf16x16(const uint8_t* bytes) {
+  __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// One row's activations, quantized per group: int8 values, the scale and the two sums.
+struct QuantizedRows {
+  std::vector<int8_t> values;   // [rows, in_features]
+  std::vector<float> scales;    // [rows, groups]: dx_g
+  std::vector<int32_t> offsets; // [rows, groups]: 8 * sum_k xq_k
+  std::vector<float> sums;      // [rows, groups]: sum_k x_k (float32, from the bf16 inputs)
+};
+
+QuantizedRows quantize_rows(const uint16_t* x, int64_t rows, int64_t in_features) {
+  const int64_t groups = in_features / kGroup;
+  QuantizedRows out{std::vector<int8_t>(rows * in_features), std::vector<float>(rows * groups),
+                    std::vector<int32_t>(rows * groups), std::vector<float>(rows * groups)};
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint16_t* src = x + r * in_features + g * kGroup;
+      float values[kGroup];
+      float amax = 0.f, sum = 0.f;
+      for (int64_t k = 0; k < kGroup; ++k) {
+        values[k] = bf16_to_float(src[k]);
+        amax = std::max(amax, std::fabs(values[k]));
+        sum += values[k];
+      }
+      const float scale = amax / 127.f;
+      const float inverse = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t qsum = 0;
+      int8_t* dst = out.values.data() + r * in_features + g * kGroup;
+      for (int64_t k = 0; k < kGroup; ++k) {
+        int32_t q = static_cast<int32_t>(std::nearbyint(values[k] * inverse));
+        q = std::min(127, std::max(-127, q));
+        dst[k] = static_cast<int8_t>(q);
+        qsum += q;
+      }
+      out.scales[r * groups + g] = scale;
+      out.offsets[r * groups + g] = 8 * qsum;
+      out.sums[r * groups + g] = sum;
+    }
+  }
+  return out;
+}
+
+// Rows [row0, row0 + tile) x output block `block`: float32 results into out_block[tile][16].
+inline void block_rows(const uint8_t* weights, const QuantizedRows& xq, int64_t row0, int64_t tile,
+                       int64_t groups, int64_t in_features, float* out_block) {
+  const __m512i low_mask = _mm512_set1_epi8(0x0f);
+  __m512 acc[kRowTile];
+  for (int64_t t = 0; t < tile; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* group = weights + g * kGroupBytes;
+    __m512i nibbles[8];
+    for (int b = 0; b < 4; ++b) {
+      __m512i packed = _mm512_loadu_si512(group + 64 * b);
+      nibbles[2 * b] = _mm512_and_si512(packed, low_mask);
+      nibbles[2 * b + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_mask);
+    }
+    const __m512 scale = load_bf16x16(group + 256);
+    const __m512 zero = load_bf16x16(group + 256 + 32);
+    for (int64_t t = 0; t < tile; ++t) {
+      const int64_t r = row0 + t;
+      const int8_t* xr = xq.values.data() + r * in_features + g * kGroup;
+      int32_t words[8];
+      std::memcpy(words, xr, sizeof(words));
+      __m512i dot = _mm512_setzero_si512();
+      for (int w = 0; w < 8; ++w) dot = _mm512_dpbusd_epi32(dot, nibbles[w], _mm512_set1_epi32(words[w]));
+      dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(xq.offsets[r * groups + g]));
+      const __m512 partial = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(xq.scales[r * groups + g]));
+      acc[t] = _mm512_fmadd_ps(partial, scale, acc[t]);
+      acc[t] = _mm512_fmadd_ps(zero, _mm512_set1_ps(xq.sums[r * groups + g]), acc[t]);
+    }
+  }
+  for (int64_t t = 0; t < tile; ++t) _mm512_storeu_ps(out_block + t * kLanes, acc[t]);
+}
+
+at::Tensor q4q8_mm(const at::Tensor& x, const at::Tensor& weights, int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "q4q8_mm: x must be a contiguous bf16 [rows, in_features] tensor");
+  TORCH_CHECK(weights.scalar_type() == at::kByte && weights.is_contiguous(), "q4q8_mm: weights must be packed uint8");
+  const int64_t rows = x.size(0), in_features = x.size(1);
+  TORCH_CHECK(in_features % kGroup == 0 && out_features % kLanes == 0, "q4q8_mm: shape not a multiple of 32 x 16");
+  const int64_t groups = in_features / kGroup, blocks = out_features / kLanes;
+  TORCH_CHECK(weights.numel() == blocks * groups * kGroupBytes, "q4q8_mm: packed weights do not fit the shape");
+  auto out = at::empty({rows, out_features}, x.options());
+  if (rows == 0) return out;
+  const QuantizedRows xq = quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), rows, in_features);
+  const uint8_t* packed = weights.data_ptr<uint8_t>();
+  uint16_t* result = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    float tile_out[kRowTile * kLanes];
+    for (int64_t block = begin; block < end; ++block) {
+      const uint8_t* block_weights = packed + block * groups * kGroupBytes;
+      for (int64_t row0 = 0; row0 < rows; row0 += kRowTile) {
+        const int64_t tile = std::min(kRowTile, rows - row0);
+        block_rows(block_weights, xq, row0, tile, groups, in_features, tile_out);
+        for (int64_t t = 0; t < tile; ++t)
+          for (int64_t j = 0; j < kLanes; ++j)
+            result[(row0 + t) * out_features + block * kLanes + j] = float_to_bf16(tile_out[t * kLanes + j]);
+      }
+    }
+  });
+  return out;
+}
+
+// q uint8 [out, in] in [0, 15]; scales, zeros bf16 [out, in / 32] -> the packed layout above.
+at::Tensor pack_q4q8(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& zeros) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte, "pack_q4q8: q must be uint8 [out, in]");
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && zeros.scalar_type() == at::kBFloat16,
+              "pack_q4q8: scales and zeros must be bf16");
+  const int64_t out_features = q.size(0), in_features = q.size(1);
+  TORCH_CHECK(in_features % kGroup == 0 && out_features % kLanes == 0, "pack_q4q8: shape not a multiple of 32 x 16");
+  const int64_t groups = in_features / kGroup, blocks = out_features / kLanes;
+  TORCH_CHECK(scales.size(0) == out_features && scales.size(1) == groups && zeros.sizes() == scales.sizes(),
+              "pack_q4q8: scales/zeros must be [out, in / 32]");
+  auto qc = q.contiguous();
+  auto sc = scales.contiguous();
+  auto zc = zeros.contiguous();
+  auto packed = at::empty({blocks * groups * kGroupBytes}, q.options());
+  const uint8_t* qv = qc.data_ptr<uint8_t>();
+  const uint16_t* sv = reinterpret_cast<const uint16_t*>(sc.data_ptr());
+  const uint16_t* zv = reinterpret_cast<const uint16_t*>(zc.data_ptr());
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block) {
+      for (int64_t g = 0; g < groups; ++g) {
+        uint8_t* group = dst + (block * groups + g) * kGroupBytes;
+        for (int b = 0; b < 4; ++b)
+          for (int64_t j = 0; j < kLanes; ++j)
+            for (int i = 0; i < 4; ++i) {
+              const int64_t n = block * kLanes + j, k = g * kGroup + 8 * b + i;
+              group[64 * b + 4 * j + i] = static_cast<uint8_t>((qv[n * in_features + k] & 0x0f) |
+                                                               ((qv[n * in_features + k + 4] & 0x0f) << 4));
+            }
+        uint16_t* scale_out = reinterpret_cast<uint16_t*>(group + 256);
+        for (int64_t j = 0; j < kLanes; ++j) {
+          scale_out[j] = sv[(block * kLanes + j) * groups + g];
+          scale_out[kLanes + j] = zv[(block * kLanes + j) * groups + g];
+        }
+      }
+    }
+  });
+  return packed;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(disco_q4q8, m) {
+  m.def("mm(Tensor x, Tensor weights, int out_features) -> Tensor");
+  m.def("pack(Tensor q, Tensor scales, Tensor zeros) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(disco_q4q8, CPU, m) {
+  m.impl("mm", &q4q8_mm);
+  m.impl("pack", &pack_q4q8);
+}

@@ -1,0 +1,162 @@
+"""The q4 x q8 VNNI kernel of the int4 engine (:mod:`disco.models.q4q8`): its arithmetic
+against a reference written out in torch, row invariance (alone, in any call, under the
+row-plan probe), clear errors on bad shapes, the per-machine choice, and greedy exactness of
+speculation and of concurrent sessions on a tiny model running it. Skipped where the CPU
+lacks AVX-512 VNNI (the engine then keeps torch's kernel, also tested here)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from disco.config import SamplingParams, SpeculationConfig
+from disco.models import q4q8, row_stable
+from disco.models.int4 import Int4Linear, use_chosen_kernel
+from disco.models.quantize import quantize_model
+from tests.helpers import PROMPTS, generate_at_once, local_generator
+
+HOME = Path(os.environ.get("DISCO_HOME", "/tmp/disco_q4q8_tests"))
+needs_vnni = pytest.mark.skipif(not q4q8.cpu_supports(), reason="the CPU lacks AVX-512 VNNI")
+
+
+@pytest.fixture(scope="module")
+def ops():
+    why_not = q4q8.load(HOME)
+    if why_not is not None:
+        pytest.skip(why_not)
+
+
+def reference_mm(rows: torch.Tensor, layer: Int4Linear) -> torch.Tensor:
+    """The kernel's arithmetic: rows quantized to int8 per group of 32 in float32 (times
+    127 / max|x|, round half to even), then in float64 the integer dot products with q - 8,
+    scaled, plus the zero times the group's sum of the inputs."""
+    x32 = rows.float().reshape(rows.shape[0], -1, 32)  # [n, groups, 32]
+    amax = x32.abs().amax(dim=-1, keepdim=True)
+    # 127 / max|x| divided in float32, as the kernel does (``127.0 / tensor`` multiplies by a reciprocal)
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0).div(amax), torch.zeros_like(amax))
+    xq = torch.round(x32 * inverse).double()
+    dx = (amax / 127.0).squeeze(-1).double()  # [n, groups]
+    x = x32.double()
+    q = layer.centered.double().reshape(layer.out_features, -1, 32)  # [out, groups, 32]
+    scales = layer.scales_and_zeros[:, :, 0].T.double()  # [out, groups]
+    zeros = layer.scales_and_zeros[:, :, 1].T.double()
+    dots = torch.einsum("ngk,ogk->nog", xq, q)  # [n, out, groups]
+    return (dots * dx[:, None, :] * scales[None] + x.sum(-1)[:, None, :] * zeros[None]).sum(-1)
+
+
+def layer(out_features: int, in_features: int, seed: int = 0) -> Int4Linear:
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=generator) * 0.05
+    bias = torch.randn(out_features, generator=generator) * 0.01
+    return Int4Linear.from_weight(weight, bias)
+
+
+@needs_vnni
+@pytest.mark.parametrize("out_features, in_features", [(16, 32), (48, 96), (256, 896)])
+def test_kernel_computes_the_q4_q8_products(ops, out_features, in_features):
+    linear = layer(out_features, in_features)
+    rows = (torch.randn(7, in_features, generator=torch.Generator().manual_seed(1)) * 3).to(torch.bfloat16)
+    rows[2, :32] = 0  # a group of zeros: scale 0, no division by it
+    expected = reference_mm(rows.float(), linear)
+    linear.use_kernel(q4q8.KERNEL)
+    got = linear._quantized(rows).double()
+    # The kernel rounds its float32 sum to bf16: within half a bf16 step of the float64 value.
+    assert torch.allclose(got, expected, rtol=2 ** -8, atol=1e-5 * expected.abs().max().item())
+    # And the product is the layer's: close to its dequantized weight times the inputs.
+    dense = rows.float() @ linear.dequantized().T
+    assert ((got.float() - dense).norm() / dense.norm()).item() < 0.02
+
+
+@needs_vnni
+def test_each_row_gets_its_bits_alone_in_any_call(ops):
+    linear = layer(64, 128)
+    linear.use_kernel(q4q8.KERNEL)
+    rows = torch.randn(40, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    alone = torch.cat([linear._quantized(rows[i:i + 1].contiguous()) for i in range(40)])
+    for count in (2, 5, 8, 9, 17, 40):
+        assert torch.equal(linear._quantized(rows[:count].contiguous()), alone[:count]), count
+    # The load-time probe (on inputs that show any other summation order) finds no cut needed.
+    call, inputs = row_stable._probe_call(linear)
+    assert row_stable.probe_plan(call, inputs) == row_stable.PLANS[0]
+
+
+@needs_vnni
+def test_bad_shapes_are_refused_with_a_message(ops):
+    linear = layer(32, 64)
+    linear.use_kernel(q4q8.KERNEL)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        q4q8.mm(torch.zeros(1, 64, dtype=torch.bfloat16), linear.q4q8_weights, 48)
+    with pytest.raises(RuntimeError, match="contiguous bf16"):
+        q4q8.mm(torch.zeros(1, 64), linear.q4q8_weights, 32)
+    with pytest.raises(ValueError, match="cannot switch"):
+        linear.use_kernel(q4q8.TORCH_KERNEL)
+
+
+def test_the_choice_is_measured_once_and_falls_back_without_the_instructions(tmp_path, monkeypatch):
+    monkeypatch.setattr(q4q8, "cpu_supports", lambda: False)
+    monkeypatch.setattr(q4q8, "ops_loaded", lambda: False)
+    choice = q4q8.choose_kernel(tmp_path)
+    assert choice.kernel == q4q8.TORCH_KERNEL and "lacks" in choice.reason
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    quantize_model(model, lm_head=False, engine="int4")
+    assert "lacks" in use_chosen_kernel(model, tmp_path) and model[0].kernel == q4q8.TORCH_KERNEL
+
+
+@needs_vnni
+def test_the_choice_is_cached_per_thread_count(ops, tmp_path, monkeypatch):
+    monkeypatch.setattr(q4q8, "kernels_dir", lambda home: home)
+    first = q4q8.choose_kernel(tmp_path)
+    assert first.kernel in (q4q8.KERNEL, q4q8.TORCH_KERNEL) and "measured" in first.reason
+    cached = json.loads((tmp_path / f"choice-t{torch.get_num_threads()}.json").read_text())
+    assert cached["kernel"] == first.kernel
+    monkeypatch.setattr(q4q8, "_measure_choice", lambda threads: pytest.fail("measured twice"))
+    assert q4q8.choose_kernel(tmp_path) == first
+
+
+def q4q8_model(model: torch.nn.Module) -> torch.nn.Module:
+    quantized = quantize_model(copy.deepcopy(model), engine="int4")
+    linears = [module for module in quantized.modules() if isinstance(module, Int4Linear)]
+    assert linears
+    for module in linears:
+        module.use_kernel(q4q8.KERNEL)
+    return quantized
+
+
+@needs_vnni
+@pytest.mark.parametrize("draft_kind", ["same", "noisy"])
+def test_speculation_on_the_kernel_is_greedy_exact(ops, target_model, drafts, tokenizer, draft_kind):
+    """A q4 x q8 target verifies a block as it decodes token by token: speculative greedy
+    output equals its own target-only output, whatever the draft proposes."""
+    target = q4q8_model(target_model)
+    draft = q4q8_model(target_model if draft_kind == "same" else drafts["noisy"])
+    sampling = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    accepted = 0
+    for prompt in PROMPTS[:2]:
+        prompt_ids = tokenizer(prompt)["input_ids"]
+        reference = local_generator(target, None, tokenizer).generate(
+            prompt_ids, sampling, SpeculationConfig(policy="none")).token_ids
+        assert len(set(reference)) > 8
+        for policy in ("static:1", "static:4", "heuristic:2", "confidence:0.4"):
+            result = local_generator(target, draft, tokenizer).generate(
+                prompt_ids, sampling, SpeculationConfig(policy=policy))
+            assert result.token_ids == reference, (draft_kind, policy, prompt)
+            accepted += result.stats.accepted_tokens
+    assert accepted > 0
+
+
+@needs_vnni
+def test_concurrent_sessions_on_the_kernel_get_their_solo_tokens(ops, target_model, drafts, tokenizer):
+    """Eight sessions at once (packed forwards of their rows) get the tokens each gets alone."""
+    target = q4q8_model(target_model)
+    draft = q4q8_model(drafts["noisy"])
+    sampling = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    generator = local_generator(target, draft, tokenizer)
+    jobs = [(tokenizer(PROMPTS[i % len(PROMPTS)])["input_ids"], policy)
+            for i, policy in enumerate(["none", "static:4", "heuristic:2", "static:2"] * 2)]
+    solo = [generator.generate(ids, sampling, SpeculationConfig(policy=policy)).token_ids for ids, policy in jobs]
+    assert generate_at_once(generator, jobs, sampling) == solo
