@@ -160,3 +160,20 @@ def test_concurrent_sessions_on_the_kernel_get_their_solo_tokens(ops, target_mod
             for i, policy in enumerate(["none", "static:4", "heuristic:2", "static:2"] * 2)]
     solo = [generator.generate(ids, sampling, SpeculationConfig(policy=policy)).token_ids for ids, policy in jobs]
     assert generate_at_once(generator, jobs, sampling) == solo
+
+
+@needs_vnni
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_gemms_from_the_repacked_weights_have_the_same_bits(ops, dtype):
+    """The dense prefill path dequantizes from the kernel's layout (``packed`` and ``centered``
+    are freed) to the bits the torch-kernel layer multiplies by, in either GEMM dtype."""
+    before = layer(1040, 96)  # 1040 output channels: two 512-channel slices and a 16-channel one
+    after = copy.deepcopy(before)
+    after.use_kernel(q4q8.KERNEL)
+    assert after.packed.numel() == 0 and after.centered.numel() == 0
+    assert torch.equal(after.dequantized(), before.dequantized())
+    before.dense_dtype = after.dense_dtype = dtype
+    rows = torch.randn(60, 96, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    assert torch.equal(after._dense(rows), before._dense(rows))
+    with pytest.raises(RuntimeError, match="whole blocks of 16"):
+        q4q8.dequantize(after.q4q8_weights, 1040, 96, 8, 16, torch.empty(8, 96))

@@ -57,7 +57,8 @@ class Int4Linear(WeightOnlyLinear):
 
     Decoded rows go to torch's kernel, or, after :meth:`use_kernel` with
     :data:`disco.models.q4q8.KERNEL`, to the q4 x q8 VNNI kernel over a repacked copy of
-    the same weights (``packed`` is then freed).
+    the same weights, ``q4q8_weights`` (``packed`` and ``centered`` are then freed: the
+    prefill GEMMs dequantize from the repacked copy, to the same bits).
     """
 
     #: The kernel of decoded rows (:func:`disco.models.q4q8.choose_kernel` picks it at load).
@@ -124,7 +125,9 @@ class Int4Linear(WeightOnlyLinear):
             raise ValueError(f"cannot switch an int4 linear from {self.kernel} to {kernel}")
         q = (self.centered.to(torch.int16) + _MID).to(torch.uint8)
         self.q4q8_weights = q4q8.pack(q, self.scales_and_zeros[:, :, 0].T, self.scales_and_zeros[:, :, 1].T)
+        # Both the rows and the prefill GEMMs now read the repacked copy: the other two go.
         self.packed = torch.empty(0, dtype=torch.uint8, device=self.packed.device)
+        self.centered = torch.empty(0, dtype=torch.int8, device=self.centered.device)
         self.kernel = kernel
 
     def probe_twin(self, weight: torch.Tensor,  # [out_features, in_features]
@@ -139,11 +142,16 @@ class Int4Linear(WeightOnlyLinear):
         return torch._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_and_zeros)
 
     def _dense(self, rows: torch.Tensor) -> torch.Tensor:  # rows: [n, in_features] -> [n, out_features]
-        return chunked_gemm(rows, self.out_features, self._fill_dense_slice, self.dense_dtype).to(rows.dtype)
+        return chunked_gemm(rows, self.out_features, self._fill_dense_slice, self.dense_dtype,
+                            fills_dtype=self.kernel == q4q8.KERNEL).to(rows.dtype)
 
     def _fill_dense_slice(self, start: int, end: int, buffer: torch.Tensor) -> None:
-        """Write the float32 weights of output channels ``start:end`` into ``buffer``
-        ``[end - start, in_features]``, in place: ``(q - 8) * scale + zero`` per group."""
+        """Write the weights of output channels ``start:end`` into ``buffer`` ``[end - start,
+        in_features]``, in place: ``(q - 8) * scale + zero`` per group in float32 (with the q4 x q8
+        kernel, rounded to ``buffer``'s dtype in the same pass)."""
+        if self.kernel == q4q8.KERNEL:
+            q4q8.dequantize(self.q4q8_weights, self.out_features, self.in_features, start, end, buffer)
+            return
         groups = self.in_features // self.group_size
         scales = self.scales_and_zeros[:, start:end, 0].T.float()  # [channels, groups]
         zeros = self.scales_and_zeros[:, start:end, 1].T.float()
@@ -153,7 +161,8 @@ class Int4Linear(WeightOnlyLinear):
 
     def dequantized(self) -> torch.Tensor:
         """The weight the layer effectively multiplies by, ``[out_features, in_features]`` float32."""
-        weights = torch.empty(self.out_features, self.in_features, dtype=torch.float32, device=self.packed.device)
+        weights = torch.empty(self.out_features, self.in_features, dtype=torch.float32,
+                              device=self.scales_and_zeros.device)
         self._fill_dense_slice(0, self.out_features, weights)
         return weights
 

@@ -48,7 +48,7 @@ TORCH_KERNEL = "int4pack"
 #: CPU flags the kernel's instructions need (``/proc/cpuinfo``).
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 _CFLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
-           "-mavx512vnni", "-mfma", "-w")
+           "-mavx512vnni", "-mfma", "-ffp-contract=off", "-w")
 #: The kernel must measure at most this fraction of torch's time to be chosen (a near-tie
 #: must not flip between two machines' or two starts' choices: the numerics differ).
 MARGIN = 0.8
@@ -149,6 +149,16 @@ def mm(rows: torch.Tensor,  # bf16 [n, in_features], contiguous
        packed: torch.Tensor,  # uint8, from :func:`pack`
        out_features: int) -> torch.Tensor:  # bf16 [n, out_features]
     return torch.ops.disco_q4q8.mm(rows, packed, out_features)
+
+
+def dequantize(packed: torch.Tensor,  # uint8, from :func:`pack`
+               out_features: int, in_features: int, start: int, end: int,
+               out: torch.Tensor,  # float32 or bf16 [end - start, in_features], written in place
+               ) -> None:
+    """Output channels ``start:end`` (multiples of 16) as dense weights, ``(q - 8) * scale +
+    zero`` in float32 (the bits of :meth:`disco.models.int4.Int4Linear.dequantized`), rounded to
+    ``out``'s dtype."""
+    torch.ops.disco_q4q8.dequantize(packed, out_features, in_features, start, end, out)
 
 
 def choose_kernel(home: Path) -> KernelChoice:

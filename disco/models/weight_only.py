@@ -73,23 +73,25 @@ def split_rows(rows: torch.Tensor,  # [n, in_features]
 def chunked_gemm(rows: torch.Tensor,  # [n, in_features], any float dtype
                  out_features: int,
                  fill_slice: Callable[[int, int, torch.Tensor], None],
-                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                 dtype: torch.dtype = torch.float32, fills_dtype: bool = False) -> torch.Tensor:
     """``rows @ W^T`` as GEMMs in ``dtype`` (float32, or bfloat16 where the CPU multiplies it
     faster: :func:`choose_dense_dtype`), ``W`` given a slice of output channels at a time:
     ``fill_slice(start, end, buffer)`` writes ``W[start:end]`` as float32 into ``buffer``
     ``[end - start, in_features]`` (one buffer reused for every slice: converting in place
     instead of through temporaries made an int4 prefill GEMM of 200 rows 1.4x faster on an
-    AVX2 CPU, docs/engines.md); for a bf16 GEMM the slice is then rounded once to bf16.
+    AVX2 CPU, docs/engines.md); for a bf16 GEMM the slice is then rounded once to bf16
+    (``fills_dtype``: ``fill_slice`` writes the rounded ``dtype`` weights itself).
     Returns float32 ``[n, out_features]``."""
     inputs = rows.to(dtype)
     out = torch.empty(rows.shape[0], out_features, dtype=torch.float32, device=rows.device)
-    buffer = torch.empty(min(DENSE_CHUNK, out_features), rows.shape[1], dtype=torch.float32, device=rows.device)
-    rounded = buffer if dtype == torch.float32 else torch.empty(buffer.shape, dtype=dtype, device=rows.device)
+    buffer = torch.empty(min(DENSE_CHUNK, out_features), rows.shape[1],
+                         dtype=dtype if fills_dtype else torch.float32, device=rows.device)
+    rounded = buffer if buffer.dtype == dtype else torch.empty(buffer.shape, dtype=dtype, device=rows.device)
     for start in range(0, out_features, DENSE_CHUNK):
         end = min(start + DENSE_CHUNK, out_features)
         fill_slice(start, end, buffer[:end - start])
         weights = rounded[:end - start]
-        if dtype != torch.float32:
+        if rounded is not buffer:
             weights.copy_(buffer[:end - start])
         out[:, start:end] = inputs @ weights.T
     return out

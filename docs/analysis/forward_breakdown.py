@@ -29,7 +29,7 @@ from disco.engines.kv import CachedSequence  # noqa: E402
 from disco.models.loading import disco_home, load_model  # noqa: E402
 
 GROUPS = (("weight GEMMs", ("aten::mm", "aten::addmm", "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm",
-                            "aten::_weight_int4pack_mm_for_cpu", "aten::bmm", "aten::matmul")),
+                            "aten::_weight_int4pack_mm_for_cpu", "disco_q4q8::mm", "aten::bmm", "aten::matmul")),
           ("attention", ("aten::_scaled_dot_product", "aten::scaled_dot_product")),
           ("logits to float32", ("aten::_to_copy", "aten::copy_")))
 

@@ -7,7 +7,9 @@ attention projections, the MLP and the LM head — times one call at 1, 2, 4, 8 
 * ``bf16``: ``F.linear`` on bfloat16 weights (the target's engine today on AVX-512-BF16/AMX);
 * ``int8``: ``torch._weight_int8pack_mm`` (int8 weights, per-channel scales, bf16 activations);
 * ``int4-gG``: ``torch._weight_int4pack_mm_for_cpu`` with groups of G input features
-  (G = 32 is a GGUF Q4_K sub-block; 64 is the draft's engine today).
+  (G = 32 is a GGUF Q4_K sub-block; 64 is the draft's engine today);
+* ``q4q8``: the int4 engine's q4 x q8 VNNI kernel (``disco.models.q4q8``, groups of 32,
+  activations quantized to int8 per row and group), where the CPU has AVX-512 VNNI.
 
 Weights are random (the kernels' speed does not depend on the values). Each point is the
 minimum of ``--repeats`` timings after a warm-up (the least disturbed run on a shared
@@ -26,6 +28,9 @@ import platform
 import time
 
 import torch
+
+from disco.models import q4q8
+from disco.models.loading import disco_home
 
 SHAPES = {  # (out_features, in_features) per linear, and how many of it one forward runs
     "target": {"q/o 1536x1536": ((1536, 1536), 2 * 28), "k/v 256x1536": ((256, 1536), 2 * 28),
@@ -57,6 +62,11 @@ def candidates(out_features: int, in_features: int) -> dict:
         found[f"int4-g{group}"] = (
             lambda x, p=packed, g=group, sz=scales_zeros: torch._weight_int4pack_mm_for_cpu(x, p, g, sz),
             packed.numel() + scales_zeros.numel() * 2)
+    if q4q8.ops_loaded() and in_features % 32 == 0 and out_features % 16 == 0:
+        q = torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.uint8)
+        scales = (torch.rand(out_features, in_features // 32, generator=generator) * 0.01).to(torch.bfloat16)
+        packed = q4q8.pack(q, scales, scales)
+        found["q4q8"] = (lambda x, p=packed, n=out_features: q4q8.mm(x, p, n), packed.numel())
     return found
 
 
@@ -78,6 +88,8 @@ def main() -> None:
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if (why_not := q4q8.load(disco_home())) is not None:
+        print(f"q4q8: not measured ({why_not})")
     results = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
                "threads": args.threads, "repeats": args.repeats, "rows": ROWS, "shapes": {}}
     with torch.inference_mode():
@@ -94,7 +106,7 @@ def main() -> None:
                     print(f"  {label:<22} {name:<9} " + " ".join(f"{v:8.2f}" for v in ms)
                           + f"   {weight_bytes / 1e6:7.1f} MB {gbps:6.1f} GB/s  x{per_forward} = "
                             f"{ms[0] * per_forward:7.1f} ms")
-            for name in ("bf16", "int8", "int4-g32", "int4-g64", "int4-g128"):
+            for name in ("bf16", "int8", "int4-g32", "int4-g64", "int4-g128", "q4q8"):
                 total = sum(shape[name]["ms"][0] * shape[name]["per_forward"]
                             for shape in results["shapes"][role].values() if name in shape)
                 print(f"  {role} one-token forward, linears only, {name}: {total:.1f} ms")

@@ -18,9 +18,11 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -190,14 +192,74 @@ at::Tensor pack_q4q8(const at::Tensor& q, const at::Tensor& scales, const at::Te
   return packed;
 }
 
+// Output channels [start, end) (multiples of 16) of the packed weights as float32 or bf16
+// [end - start, in_features] into `out`: (q - 8) * scale + zero, multiplied then added in
+// float32 (two roundings, no FMA: the bits of torch's `copy_(q - 8).mul_(scale).add_(zero)`),
+// then rounded to nearest even for bf16. The dense GEMMs of prefill blocks multiply by it.
+void dequantize_q4q8(const at::Tensor& weights, int64_t out_features, int64_t in_features, int64_t start,
+                     int64_t end, at::Tensor& out) {
+  TORCH_CHECK(weights.scalar_type() == at::kByte && weights.is_contiguous(), "dequantize: weights must be packed uint8");
+  TORCH_CHECK(in_features % kGroup == 0 && out_features % kLanes == 0 && start % kLanes == 0 && end % kLanes == 0 &&
+                  0 <= start && start <= end && end <= out_features,
+              "dequantize: channels must be a range of whole blocks of 16");
+  const int64_t groups = in_features / kGroup;
+  TORCH_CHECK(weights.numel() == (out_features / kLanes) * groups * kGroupBytes, "dequantize: packed weights do not fit the shape");
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == end - start && out.size(1) == in_features &&
+                  (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              "dequantize: out must be a contiguous float32 or bf16 [end - start, in_features] tensor");
+  const bool to_bf16 = out.scalar_type() == at::kBFloat16;
+  const uint8_t* packed = weights.data_ptr<uint8_t>();
+  at::parallel_for(start / kLanes, end / kLanes, 1, [&](int64_t begin, int64_t finish) {
+    alignas(64) uint8_t q[kLanes][kGroup];
+    alignas(64) float values[kGroup];
+    const __m512 eight = _mm512_set1_ps(8.f);
+    for (int64_t block = begin; block < finish; ++block) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* group = packed + (block * groups + g) * kGroupBytes;
+        for (int b = 0; b < 4; ++b)
+          for (int64_t j = 0; j < kLanes; ++j) {
+            uint32_t word;
+            std::memcpy(&word, group + 64 * b + 4 * j, sizeof(word));
+            const uint32_t low = word & 0x0f0f0f0fu, high = (word >> 4) & 0x0f0f0f0fu;
+            std::memcpy(&q[j][8 * b], &low, sizeof(low));
+            std::memcpy(&q[j][8 * b + 4], &high, sizeof(high));
+          }
+        const uint16_t* scales = reinterpret_cast<const uint16_t*>(group + 256);
+        for (int64_t j = 0; j < kLanes; ++j) {
+          const __m512 scale = _mm512_set1_ps(bf16_to_float(scales[j]));
+          const __m512 zero = _mm512_set1_ps(bf16_to_float(scales[kLanes + j]));
+          const int64_t row = block * kLanes + j - start;
+          for (int half = 0; half < 2; ++half) {
+            const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(&q[j][16 * half]));
+            __m512 value = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)), eight);
+            value = _mm512_add_ps(_mm512_mul_ps(value, scale), zero);
+            if (to_bf16) {
+              _mm512_storeu_ps(values + 16 * half, value);
+            } else {
+              float* dst = out.data_ptr<float>() + row * in_features + g * kGroup + 16 * half;
+              _mm512_storeu_ps(dst, value);
+            }
+          }
+          if (to_bf16) {
+            uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr()) + row * in_features + g * kGroup;
+            for (int64_t k = 0; k < kGroup; ++k) dst[k] = float_to_bf16(values[k]);
+          }
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(disco_q4q8, m) {
   m.def("mm(Tensor x, Tensor weights, int out_features) -> Tensor");
   m.def("pack(Tensor q, Tensor scales, Tensor zeros) -> Tensor");
+  m.def("dequantize(Tensor weights, int out_features, int in_features, int start, int end, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(disco_q4q8, CPU, m) {
   m.impl("mm", &q4q8_mm);
   m.impl("pack", &pack_q4q8);
+  m.impl("dequantize", &dequantize_q4q8);
 }
