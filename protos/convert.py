@@ -186,4 +186,5 @@ def service_info_pb(role: str, loaded: LoadedModel, max_context: int, active_ses
         dtype=loaded.engine or str(parameter.dtype).removeprefix("torch."), device=str(parameter.device),
         active_sessions=active_sessions, max_sessions=limits.max_sessions, idle_ttl_s=limits.idle_ttl_s,
         version=disco.__version__, elapsed_ns=elapsed_ns(started_ns), forward_s=list(forward_s),
-        overlap=overlap, batching=batching, live_forward_s=list(live_forward_s), exactness=exactness)
+        overlap=overlap, batching=batching, live_forward_s=list(live_forward_s), exactness=exactness,
+        kernel=loaded.kernel)

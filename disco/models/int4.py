@@ -171,16 +171,16 @@ class Int4Linear(WeightOnlyLinear):
                 f"group_size={self.group_size}, bias={self.bias is not None}, kernel={self.kernel}")
 
 
-def use_chosen_kernel(model: nn.Module, home: Path) -> str:
+def use_chosen_kernel(model: nn.Module, home: Path) -> q4q8.KernelChoice | None:
     """Give every :class:`Int4Linear` of ``model`` the kernel chosen for this machine
-    (:func:`disco.models.q4q8.choose_kernel`). Returns a line for the load log."""
+    (:func:`disco.models.q4q8.choose_kernel`); ``None`` where the model has none."""
     linears = [module for module in model.modules() if isinstance(module, Int4Linear)]
     if not linears:
-        return "no int4 linears"
+        return None
     choice = q4q8.choose_kernel(home)
     for module in linears:
         module.use_kernel(choice.kernel)
-    return choice.reason
+    return choice
 
 
 def quantize_weight_int4(weight: torch.Tensor,  # [out_features, in_features]

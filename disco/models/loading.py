@@ -68,6 +68,9 @@ class LoadedModel:
         engine: the concrete engine the model runs as: ``"float32"``, ``"bfloat16"``,
             ``"float16"``, ``"int8"`` or ``"int4"`` (weight-only, bfloat16 activations); empty
             when built outside :func:`load_model` (then the weights' dtype tells).
+        kernel: the kernel of the int4 engine's decoded rows on this machine
+            (:func:`disco.models.q4q8.choose_kernel`: ``"q4q8-vnni"`` or ``"int4pack"``); empty
+            for the other engines.
     """
 
     model: PreTrainedModel
@@ -78,6 +81,7 @@ class LoadedModel:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     engine: str = ""
+    kernel: str = ""
 
 
 def disco_home() -> Path:
@@ -123,8 +127,11 @@ def load_model(config: ModelConfig, role: str, home: Path, progress: bool = True
     except (RuntimeError, AssertionError) as error:
         raise ModelError(f"could not move {role} model {name} to {config.device}: {first_line(error)}") from error
     model.eval()
+    kernel = ""
     if config.dtype == "int4" and config.device == "cpu":  # before the row plans: they probe the kernel
-        logger.info("%s model %s: %s", role, name, use_chosen_kernel(model, home))
+        if (choice := use_chosen_kernel(model, home)) is not None:
+            logger.info("%s model %s: %s", role, name, choice.reason)
+            kernel = choice.kernel
     if config.dtype != "float32" and config.device == "cpu":
         logger.info("%s model %s: %s", role, name, row_stable.stabilize(model))
     if config.dtype in quantize.QUANT_FORMATS and config.device == "cpu":
@@ -138,6 +145,7 @@ def load_model(config: ModelConfig, role: str, home: Path, progress: bool = True
         vocab_size=_vocab_size(model),
         eos_token_ids=_eos_token_ids(model, tokenizer),
         engine=config.dtype,
+        kernel=kernel,
     )
     logger.info(
         "loaded %s model %s in %.1f s (vocab %d, eos %s, fingerprint %s)",

@@ -83,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer, loaded, costs = None, None, None
     engine = pair.target.dtype  # --dtype auto resolved; a remote --server reports its own below
     draft_engine = pair.draft.dtype
+    kernels = {}  # role -> the int4 engine's kernel ("" for the other engines)
     try:
         if args.transport in ("local", "both") or args.peer == "hf":
             from disco.engines.in_process import build_local_pipeline  # noqa: PLC0415
@@ -90,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
             pipeline = build_local_pipeline(pair, home, measure_costs=any(map(reads_costs, policies)))
             tokenizer = pipeline.tokenizer
             loaded = {"target": pipeline.target, "draft": pipeline.draft}
+            kernels = {role: model.kernel for role, model in loaded.items()}
             if args.transport in ("local", "both"):
                 from disco.engines.in_process import with_overlap  # noqa: PLC0415
 
@@ -122,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
                 models = client.info()["models"]
                 engine = (models.get("target") or {}).get("dtype") or "unknown"
                 draft_engine = (models.get("draft") or {}).get("dtype") or "unknown"
+                kernels = {role: (models.get(role) or {}).get("kernel", "") for role in ("target", "draft")}
             if tokenizer is None:
                 from orchestrator.server import load_tokenizer  # noqa: PLC0415
 
@@ -150,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
         "command": " ".join(["disco", *(shlex.quote(a) for a in sys.argv[1:])]),
         "dataset": dataset.name, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
         "dtype": engine, "engine": engine, "draft_engine": draft_engine, "dtype_requested": args.dtype,
+        "kernel": kernels.get("target", ""), "draft_kernel": kernels.get("draft", ""),
         "overlap": args.overlap, "pin_services": args.pin_services, "added_rtt_ms": args.added_rtt_ms, "engine_costs": costs,
         "device": args.device, "target": pair.target.spec or "default",
         "draft": pair.draft.spec or "default", "interrupted": result.interrupted, "llamacpp": llamacpp_env})

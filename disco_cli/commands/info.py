@@ -35,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"disco-serve {info['version']} at {args.server}")
     for role in ("target", "draft"):
         model = info["models"][role]
-        state = (f"{model['model_name']} ({model['dtype']}, {model['device']}, context {model['max_context']}), "
+        engine = f"{model['dtype']} {model['kernel']}" if model and model.get("kernel") else model and model["dtype"]
+        state = (f"{model['model_name']} ({engine}, {model['device']}, context {model['max_context']}), "
                  f"{active[role]}/{model['max_sessions']} sessions" if model else "unreachable")
         print(f"  {role:<7} {info['addresses'][role]:<22} {state}")
         if model and model.get("exactness"):  # empty from a server older than the field
