@@ -48,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
             request = dict(max_new_tokens=args.max_new_tokens)
             # The first forwards of a fresh process are slow (kernel set-up, caches): one
             # short request per policy first, so the timed runs compare steady states.
+            kernel = (client.info()["models"].get("target") or {}).get("kernel")
+            engine = f"{pair.engine}, {kernel}" if kernel else pair.engine  # e.g. "int4, q4q8-vnni"
             print("warming up the services (one short request per policy)...", file=sys.stderr)
             for policy in (args.policy, args.baseline):
                 if policy != "skip":
@@ -61,12 +63,12 @@ def run(args: argparse.Namespace) -> int:
             print()
             result = stream.result
             stats = RequestStats.from_dict(result.stats)
-            print(f"[{args.policy} | {pair.engine}] {stats.summary_line()}", file=sys.stderr)
+            print(f"[{args.policy} | {engine}] {stats.summary_line()}", file=sys.stderr)
             if args.baseline != "skip":
                 print(f"--- {args.baseline} (baseline, same services) ...", file=sys.stderr)
                 baseline = client.generate(args.prompt, policy=args.baseline, **request)
                 base_stats = RequestStats.from_dict(baseline.stats)
-                print(f"[{args.baseline} | {pair.engine}] {base_stats.summary_line()}", file=sys.stderr)
+                print(f"[{args.baseline} | {engine}] {base_stats.summary_line()}", file=sys.stderr)
                 same = baseline.token_ids == result.token_ids
                 speedup = stats.tokens_per_s / base_stats.tokens_per_s if base_stats.tokens_per_s else 0.0
                 print(f"tokens identical to {args.baseline}: {'yes' if same else 'NO'}; "
