@@ -63,10 +63,10 @@ def candidates(out_features: int, in_features: int) -> dict:
             lambda x, p=packed, g=group, sz=scales_zeros: torch._weight_int4pack_mm_for_cpu(x, p, g, sz),
             packed.numel() + scales_zeros.numel() * 2)
     if q4q8.ops_loaded() and in_features % 32 == 0 and out_features % 16 == 0:
-        q = torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.uint8)
-        scales = (torch.rand(out_features, in_features // 32, generator=generator) * 0.01).to(torch.bfloat16)
-        packed = q4q8.pack(q, scales, scales)
-        found["q4q8"] = (lambda x, p=packed, n=out_features: q4q8.mm(x, p, n), packed.numel())
+        q4 = torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.uint8)
+        group_scales = (torch.rand(out_features, in_features // 32, generator=generator) * 0.01).to(torch.bfloat16)
+        repacked = q4q8.pack(q4, group_scales, group_scales)
+        found["q4q8"] = (lambda x, p=repacked, n=out_features: q4q8.mm(x, p, n), repacked.numel())
     return found
 
 
