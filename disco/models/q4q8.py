@@ -25,6 +25,7 @@ llama.cpp's q8 activations): docs/engines.md measures the quality against the bf
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -33,8 +34,10 @@ import shutil
 import subprocess
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch.utils import cpp_extension
@@ -98,8 +101,9 @@ def kernels_dir(home: Path) -> Path:
 
 
 def build(home: Path) -> Path:
-    """The compiled library under ``home`` (built once; concurrent builders each write a
-    temporary file and the last rename wins). Raises ``RuntimeError`` with the reason."""
+    """The compiled library under ``home``, built once (concurrent builders wait on a file
+    lock; the library appears under its name only when complete). Raises ``RuntimeError``
+    with the reason."""
     folder = kernels_dir(home)
     library = folder / "libdisco_q4q8.so"
     if library.exists():
@@ -107,7 +111,21 @@ def build(home: Path) -> Path:
     compiler = shutil.which("g++")
     if compiler is None:
         raise RuntimeError("no g++ on PATH")
+    with _locked(folder):  # a draft and a target service starting together build once
+        if not library.exists():
+            _compile(compiler, folder, library)
+    return library
+
+
+@contextmanager
+def _locked(folder: Path) -> Iterator[None]:
     folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _compile(compiler: str, folder: Path, library: Path) -> None:
     with tempfile.NamedTemporaryFile(dir=folder, suffix=".so", delete=False) as handle:
         partial = Path(handle.name)
     command = [compiler, *_CFLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
@@ -121,7 +139,6 @@ def build(home: Path) -> Path:
         raise RuntimeError(f"g++ failed: {result.stderr.strip().splitlines()[-1] if result.stderr.strip() else '?'}")
     partial.replace(library)
     logger.info("built the q4 x q8 kernel in %.1f s", time.perf_counter() - started)
-    return library
 
 
 def load(home: Path) -> str | None:
@@ -171,19 +188,27 @@ def choose_kernel(home: Path) -> KernelChoice:
     if why_not is not None:
         return KernelChoice(TORCH_KERNEL, f"int4 kernel {TORCH_KERNEL}: {why_not}")
     path = kernels_dir(home) / f"choice-t{threads}.json"
+    if (cached := _read_choice(path)) is not None:
+        return cached
+    with _locked(path.parent):  # one measurement, so that every process runs the same kernel
+        if (cached := _read_choice(path)) is not None:
+            return cached
+        choice = _measure_choice(threads)
+        try:
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(choice.to_json()) + "\n")
+            tmp.replace(path)
+        except OSError as error:  # NOTE: a read-only home only costs the next start a measurement
+            logger.warning("could not cache the int4 kernel choice in %s: %s", path, error)
+    return choice
+
+
+def _read_choice(path: Path) -> KernelChoice | None:
     try:
         data = json.loads(path.read_text())
         return KernelChoice(str(data["kernel"]), str(data["reason"]))
     except (OSError, ValueError, KeyError, TypeError):
-        pass
-    choice = _measure_choice(threads)
-    try:
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(choice.to_json()) + "\n")
-        tmp.replace(path)
-    except OSError as error:  # NOTE: a read-only home only costs the next start a measurement
-        logger.warning("could not cache the int4 kernel choice in %s: %s", path, error)
-    return choice
+        return None
 
 
 def _measure_choice(threads: int) -> KernelChoice:
