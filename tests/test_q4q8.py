@@ -2,13 +2,15 @@
 against a reference written out in torch, row invariance (alone, in any call, under the
 row-plan probe), clear errors on bad shapes, the per-machine choice, and greedy exactness of
 speculation and of concurrent sessions on a tiny model running it. Skipped where the CPU
-lacks AVX-512 VNNI (the engine then keeps torch's kernel, also tested here)."""
+has neither AVX-512 VNNI nor AVX2 (the engine then keeps torch's kernel, also tested here)."""
 
 from __future__ import annotations
 
 import copy
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,7 @@ from disco.models.quantize import quantize_model
 from tests.helpers import PROMPTS, generate_at_once, local_generator
 
 HOME = Path(os.environ.get("DISCO_HOME", "/tmp/disco_q4q8_tests"))
-needs_vnni = pytest.mark.skipif(not q4q8.cpu_supports(), reason="the CPU lacks AVX-512 VNNI")
+needs_q4q8 = pytest.mark.skipif(not q4q8.cpu_supports(), reason="the CPU has neither AVX-512 VNNI nor AVX2")
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +58,14 @@ def layer(out_features: int, in_features: int, seed: int = 0) -> Int4Linear:
     return Int4Linear.from_weight(weight, bias)
 
 
-@needs_vnni
+@needs_q4q8
 @pytest.mark.parametrize("out_features, in_features", [(16, 32), (48, 96), (256, 896)])
 def test_kernel_computes_the_q4_q8_products(ops, out_features, in_features):
     linear = layer(out_features, in_features)
     rows = (torch.randn(7, in_features, generator=torch.Generator().manual_seed(1)) * 3).to(torch.bfloat16)
     rows[2, :32] = 0  # a group of zeros: scale 0, no division by it
     expected = reference_mm(rows.float(), linear)
-    linear.use_kernel(q4q8.KERNEL)
+    linear.use_kernel(q4q8.loaded_kernel())
     got = linear._quantized(rows).double()
     # The kernel rounds its float32 sum to bf16: within half a bf16 step of the float64 value.
     assert torch.allclose(got, expected, rtol=2 ** -8, atol=1e-5 * expected.abs().max().item())
@@ -72,10 +74,10 @@ def test_kernel_computes_the_q4_q8_products(ops, out_features, in_features):
     assert ((got.float() - dense).norm() / dense.norm()).item() < 0.02
 
 
-@needs_vnni
+@needs_q4q8
 def test_each_row_gets_its_bits_alone_in_any_call(ops):
     linear = layer(64, 128)
-    linear.use_kernel(q4q8.KERNEL)
+    linear.use_kernel(q4q8.loaded_kernel())
     rows = torch.randn(40, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     alone = torch.cat([linear._quantized(rows[i:i + 1].contiguous()) for i in range(40)])
     for count in (2, 5, 8, 9, 17, 40):
@@ -85,10 +87,10 @@ def test_each_row_gets_its_bits_alone_in_any_call(ops):
     assert row_stable.probe_plan(call, inputs) == row_stable.PLANS[0]
 
 
-@needs_vnni
+@needs_q4q8
 def test_bad_shapes_are_refused_with_a_message(ops):
     linear = layer(32, 64)
-    linear.use_kernel(q4q8.KERNEL)
+    linear.use_kernel(q4q8.loaded_kernel())
     with pytest.raises(RuntimeError, match="do not fit"):
         q4q8.mm(torch.zeros(1, 64, dtype=torch.bfloat16), linear.q4q8_weights, 48)
     with pytest.raises(RuntimeError, match="contiguous bf16"):
@@ -98,23 +100,23 @@ def test_bad_shapes_are_refused_with_a_message(ops):
 
 
 def test_the_choice_is_measured_once_and_falls_back_without_the_instructions(tmp_path, monkeypatch):
-    monkeypatch.setattr(q4q8, "cpu_supports", lambda: False)
+    monkeypatch.setattr(q4q8, "cpu_flags", lambda: frozenset({"sse4_2", "avx"}))
     monkeypatch.setattr(q4q8, "ops_loaded", lambda: False)
     choice = q4q8.choose_kernel(tmp_path)
-    assert choice.kernel == q4q8.TORCH_KERNEL and "lacks" in choice.reason
+    assert choice.kernel == q4q8.TORCH_KERNEL and "has neither" in choice.reason
     model = torch.nn.Sequential(torch.nn.Linear(64, 32))
     quantize_model(model, lm_head=False, engine="int4")
     assert use_chosen_kernel(model, tmp_path) == choice and model[0].kernel == q4q8.TORCH_KERNEL
 
 
-@needs_vnni
+@needs_q4q8
 def test_the_choice_is_cached_per_thread_count(ops, tmp_path, monkeypatch):
-    monkeypatch.setattr(q4q8, "kernels_dir", lambda home: home)
+    monkeypatch.setattr(q4q8, "kernels_dir", lambda home, variant: home)
     first = q4q8.choose_kernel(tmp_path)
-    assert first.kernel in (q4q8.KERNEL, q4q8.TORCH_KERNEL) and "measured" in first.reason
+    assert first.kernel in (q4q8.loaded_kernel(), q4q8.TORCH_KERNEL) and "measured" in first.reason
     cached = json.loads((tmp_path / f"choice-t{torch.get_num_threads()}.json").read_text())
     assert cached["kernel"] == first.kernel
-    monkeypatch.setattr(q4q8, "_measure_choice", lambda threads: pytest.fail("measured twice"))
+    monkeypatch.setattr(q4q8, "_measure_choice", lambda kernel, threads: pytest.fail("measured twice"))
     assert q4q8.choose_kernel(tmp_path) == first
 
 
@@ -123,11 +125,11 @@ def q4q8_model(model: torch.nn.Module) -> torch.nn.Module:
     linears = [module for module in quantized.modules() if isinstance(module, Int4Linear)]
     assert linears
     for module in linears:
-        module.use_kernel(q4q8.KERNEL)
+        module.use_kernel(q4q8.loaded_kernel())
     return quantized
 
 
-@needs_vnni
+@needs_q4q8
 @pytest.mark.parametrize("draft_kind", ["same", "noisy"])
 def test_speculation_on_the_kernel_is_greedy_exact(ops, target_model, drafts, tokenizer, draft_kind):
     """A q4 x q8 target verifies a block as it decodes token by token: speculative greedy
@@ -149,7 +151,7 @@ def test_speculation_on_the_kernel_is_greedy_exact(ops, target_model, drafts, to
     assert accepted > 0
 
 
-@needs_vnni
+@needs_q4q8
 def test_concurrent_sessions_on_the_kernel_get_their_solo_tokens(ops, target_model, drafts, tokenizer):
     """Eight sessions at once (packed forwards of their rows) get the tokens each gets alone."""
     target = q4q8_model(target_model)
@@ -162,14 +164,14 @@ def test_concurrent_sessions_on_the_kernel_get_their_solo_tokens(ops, target_mod
     assert generate_at_once(generator, jobs, sampling) == solo
 
 
-@needs_vnni
+@needs_q4q8
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_gemms_from_the_repacked_weights_have_the_same_bits(ops, dtype):
     """The dense prefill path dequantizes from the kernel's layout (``packed`` and ``centered``
     are freed) to the bits the torch-kernel layer multiplies by, in either GEMM dtype."""
     before = layer(1040, 96)  # 1040 output channels: two 512-channel slices and a 16-channel one
     after = copy.deepcopy(before)
-    after.use_kernel(q4q8.KERNEL)
+    after.use_kernel(q4q8.loaded_kernel())
     assert after.packed.numel() == 0 and after.centered.numel() == 0
     assert torch.equal(after.dequantized(), before.dequantized())
     before.dense_dtype = after.dense_dtype = dtype
@@ -177,3 +179,34 @@ def test_prefill_gemms_from_the_repacked_weights_have_the_same_bits(ops, dtype):
     assert torch.equal(after._dense(rows), before._dense(rows))
     with pytest.raises(RuntimeError, match="whole blocks of 16"):
         q4q8.dequantize(after.q4q8_weights, 1040, 96, 8, 16, torch.empty(8, 96))
+
+
+AVX2_SCRIPT = """
+import sys, torch
+from pathlib import Path
+from disco.models import q4q8
+variant = next(v for v in q4q8.VARIANTS if v.kernel == "q4q8-avx2")
+assert q4q8.load(Path(sys.argv[1]), variant) is None and q4q8.loaded_kernel() == "q4q8-avx2"
+inputs = torch.load(sys.argv[2])
+out = torch.empty(1040, 96, dtype=torch.bfloat16)
+q4q8.dequantize(inputs["packed"], 1040, 96, 0, 1040, out)
+torch.save({"mm": q4q8.mm(inputs["rows"], inputs["packed"], 1040), "dequantized": out}, sys.argv[3])
+"""
+
+
+@needs_q4q8
+@pytest.mark.skipif(not {"avx2", "fma"} <= q4q8.cpu_flags(), reason="the CPU lacks AVX2")
+def test_the_avx2_build_computes_the_bits_of_the_vnni_build(ops, tmp_path):
+    """The AVX2 build (VPMADDUBSW + VPMADDWD in 8-lane halves) gives the same bits as the
+    build this process runs, in its own process (one build per process)."""
+    linear = layer(1040, 96)
+    linear.use_kernel(q4q8.loaded_kernel())
+    rows = (torch.randn(11, 96, generator=torch.Generator().manual_seed(4)) * 2).to(torch.bfloat16)
+    torch.save({"packed": linear.q4q8_weights, "rows": rows}, tmp_path / "inputs.pt")
+    subprocess.run([sys.executable, "-c", AVX2_SCRIPT, str(HOME), str(tmp_path / "inputs.pt"),
+                    str(tmp_path / "out.pt")], check=True, timeout=300, cwd=Path(__file__).parents[1])
+    avx2 = torch.load(tmp_path / "out.pt")
+    out = torch.empty(1040, 96, dtype=torch.bfloat16)
+    q4q8.dequantize(linear.q4q8_weights, 1040, 96, 0, 1040, out)
+    assert torch.equal(avx2["mm"], linear._quantized(rows))
+    assert torch.equal(avx2["dequantized"], out)

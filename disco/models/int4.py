@@ -56,7 +56,7 @@ class Int4Linear(WeightOnlyLinear):
     ``bias`` bf16 ``[out_features]``.
 
     Decoded rows go to torch's kernel, or, after :meth:`use_kernel` with
-    :data:`disco.models.q4q8.KERNEL`, to the q4 x q8 VNNI kernel over a repacked copy of
+    a kernel of :data:`disco.models.q4q8.KERNELS`, to the q4 x q8 kernel over a repacked copy of
     the same weights, ``q4q8_weights`` (``packed`` and ``centered`` are then freed: the
     prefill GEMMs dequantize from the repacked copy, to the same bits).
     """
@@ -117,12 +117,14 @@ class Int4Linear(WeightOnlyLinear):
         return self.scales_and_zeros.dtype
 
     def use_kernel(self, kernel: str) -> None:
-        """Multiply decoded rows with ``kernel`` (:data:`disco.models.q4q8.KERNEL` needs its ops
-        loaded: :func:`disco.models.q4q8.load`)."""
+        """Multiply decoded rows with ``kernel`` (one of :data:`disco.models.q4q8.KERNELS` needs
+        its build loaded: :func:`disco.models.q4q8.load`)."""
         if kernel == self.kernel:
             return
-        if kernel != q4q8.KERNEL or self.kernel != q4q8.TORCH_KERNEL:
+        if kernel not in q4q8.KERNELS or self.kernel != q4q8.TORCH_KERNEL:
             raise ValueError(f"cannot switch an int4 linear from {self.kernel} to {kernel}")
+        if q4q8.loaded_kernel() != kernel:
+            raise ValueError(f"{kernel} is not the kernel loaded in this process ({q4q8.loaded_kernel()})")
         q = (self.centered.to(torch.int16) + _MID).to(torch.uint8)
         self.q4q8_weights = q4q8.pack(q, self.scales_and_zeros[:, :, 0].T, self.scales_and_zeros[:, :, 1].T)
         # Both the rows and the prefill GEMMs now read the repacked copy: the other two go.
@@ -137,19 +139,19 @@ class Int4Linear(WeightOnlyLinear):
         return twin
 
     def _quantized(self, rows: torch.Tensor) -> torch.Tensor:  # rows: [n, in_features] -> [n, out_features]
-        if self.kernel == q4q8.KERNEL:
+        if self.kernel in q4q8.KERNELS:
             return q4q8.mm(rows, self.q4q8_weights, self.out_features)
         return torch._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_and_zeros)
 
     def _dense(self, rows: torch.Tensor) -> torch.Tensor:  # rows: [n, in_features] -> [n, out_features]
         return chunked_gemm(rows, self.out_features, self._fill_dense_slice, self.dense_dtype,
-                            fills_dtype=self.kernel == q4q8.KERNEL).to(rows.dtype)
+                            fills_dtype=self.kernel in q4q8.KERNELS).to(rows.dtype)
 
     def _fill_dense_slice(self, start: int, end: int, buffer: torch.Tensor) -> None:
         """Write the weights of output channels ``start:end`` into ``buffer`` ``[end - start,
         in_features]``, in place: ``(q - 8) * scale + zero`` per group in float32 (with the q4 x q8
         kernel, rounded to ``buffer``'s dtype in the same pass)."""
-        if self.kernel == q4q8.KERNEL:
+        if self.kernel in q4q8.KERNELS:
             q4q8.dequantize(self.q4q8_weights, self.out_features, self.in_features, start, end, buffer)
             return
         groups = self.in_features // self.group_size

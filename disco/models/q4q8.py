@@ -1,4 +1,4 @@
-"""The q4 x q8 kernel: int4 weights times int8-quantized activations with AVX-512 VNNI.
+"""The q4 x q8 kernel: int4 weights times int8-quantized activations (AVX-512 VNNI or AVX2).
 
 torch's ``_weight_int4pack_mm_for_cpu`` multiplies the int4 engine's weights with bf16
 activations; on the AMX Xeon it streamed ~14 GB/s at one row, and its cost doubled at a
@@ -10,14 +10,16 @@ does the same over the int4 engine's own grid (``w = (q - 8) * scale + zero`` pe
 over the groups in order. Each row is computed from its own input row alone, by the same
 instructions whatever the other rows of the call, so it is row-invariant by construction.
 
-The kernel is C++ built at first use with the system's ``g++`` against the installed torch
-(~10 s), cached under ``$DISCO_HOME/kernels`` by a hash of its source, flags and torch version,
-and loaded as the torch ops ``disco_q4q8.mm`` / ``disco_q4q8.pack``. Where the CPU lacks
-AVX-512 VNNI, no compiler is found or the build fails, the int4 engine keeps torch's kernel
-(the load log says why). Which of the two the int4 engine runs is decided by measurement,
-once per machine, torch version and thread count (:func:`choose_kernel`, cached beside the
-build): every process on the machine then runs the same kernel, so replicas give the same
-tokens.
+Two builds (:data:`VARIANTS`): ``q4q8-vnni`` (AVX-512 VNNI: Sapphire Rapids, Zen 4, Ice
+Lake) and ``q4q8-avx2`` (VPMADDUBSW + VPMADDWD in 8-lane halves, for AVX2-only CPUs). They
+compute the same bits (tested). The best the CPU runs is built at first use with the
+system's ``g++`` against the installed torch (~10 s), cached under ``$DISCO_HOME/kernels`` by
+a hash of its source, flags and torch version, and loaded as the torch ops ``disco_q4q8.*``
+(one build per process). Where the CPU has neither, no compiler is found or the build fails,
+the int4 engine keeps torch's kernel (the load log says why). Which of the two the int4
+engine runs is decided by measurement, once per machine, build, torch version and thread
+count (:func:`choose_kernel`, cached beside the build, under a file lock): every process on
+the machine then runs the same kernel, so replicas give the same tokens.
 
 The numerics differ from torch's kernel (activations rounded to int8 per group of 32, as
 llama.cpp's q8 activations): docs/engines.md measures the quality against the bf16 reference.
@@ -45,13 +47,8 @@ from torch.utils import cpp_extension
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels") / "q4q8.cpp"
-#: The kernel's name in logs, costs and ``Info``; torch's kernel is :data:`TORCH_KERNEL`.
-KERNEL = "q4q8-vnni"
 TORCH_KERNEL = "int4pack"
-#: CPU flags the kernel's instructions need (``/proc/cpuinfo``).
-REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
-_CFLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
-           "-mavx512vnni", "-mfma", "-ffp-contract=off", "-w")
+_COMMON_CFLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-w")
 #: The kernel must measure at most this fraction of torch's time to be chosen (a near-tie
 #: must not flip between two machines' or two starts' choices: the numerics differ).
 MARGIN = 0.8
@@ -62,49 +59,83 @@ KERNELS_DIR = "kernels"
 
 
 @dataclass(frozen=True)
+class Variant:
+    """One build of the kernel: its name (in logs, costs, ``Info``), the CPU flags its
+    instructions need (``/proc/cpuinfo``) and its compiler flags."""
+
+    kernel: str
+    cpu_flags: tuple[str, ...]
+    cflags: tuple[str, ...]
+
+
+#: The builds, best first. Both compute the same bits (tests/test_q4q8.py).
+VARIANTS = (
+    Variant("q4q8-vnni", ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma"),
+            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma")),
+    Variant("q4q8-avx2", ("avx2", "fma"), ("-mavx2", "-mfma")),
+)
+KERNELS = tuple(variant.kernel for variant in VARIANTS)
+
+
+@dataclass(frozen=True)
 class KernelChoice:
     """Which kernel the int4 engine runs on this machine, and the measurement behind it."""
 
-    kernel: str  # KERNEL or TORCH_KERNEL
+    kernel: str  # one of KERNELS, or TORCH_KERNEL
     reason: str  # one line for the load log
 
     def to_json(self) -> dict:
         return {"kernel": self.kernel, "reason": self.reason}
 
 
-def cpu_supports() -> bool:
-    """Whether this CPU has the instructions the kernel uses (Linux ``/proc/cpuinfo``)."""
+def cpu_flags() -> frozenset[str]:
+    """This CPU's flags (Linux ``/proc/cpuinfo``; empty elsewhere)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return all(flag in flags for flag in REQUIRED_FLAGS)
+        return frozenset()
+    return frozenset(next((line.split(":", 1)[1].split() for line in text.splitlines()
+                           if line.startswith("flags")), []))
+
+
+def variant_for(flags: frozenset[str]) -> Variant | None:
+    """The best build these CPU flags run (``None``: neither)."""
+    return next((variant for variant in VARIANTS if set(variant.cpu_flags) <= flags), None)
+
+
+def cpu_supports() -> bool:
+    """Whether this CPU runs one of the builds."""
+    return variant_for(cpu_flags()) is not None
 
 
 def ops_loaded() -> bool:
     return hasattr(torch.ops, "disco_q4q8") and hasattr(torch.ops.disco_q4q8, "mm")
 
 
-def build_key() -> str:
+def loaded_kernel() -> str:
+    """The build loaded in this process (one per process: the ops' names are shared)."""
+    return torch.ops.disco_q4q8.variant()
+
+
+def build_key(variant: Variant) -> str:
     """A hash of what the built library depends on: source, flags, torch, compiler."""
     digest = hashlib.sha256(SOURCE.read_bytes())
-    digest.update(" ".join(_CFLAGS).encode())
+    digest.update(" ".join(_COMMON_CFLAGS + variant.cflags).encode())
     digest.update(torch.__version__.encode())
     digest.update(str(torch._C._GLIBCXX_USE_CXX11_ABI).encode())
     digest.update((shutil.which("g++") or "").encode())
     return digest.hexdigest()[:16]
 
 
-def kernels_dir(home: Path) -> Path:
-    return home / KERNELS_DIR / f"q4q8-{build_key()}"
+def kernels_dir(home: Path, variant: Variant) -> Path:
+    return home / KERNELS_DIR / f"{variant.kernel}-{build_key(variant)}"
 
 
-def build(home: Path) -> Path:
+def build(home: Path, variant: Variant) -> Path:
     """The compiled library under ``home``, built once (concurrent builders wait on a file
     lock; the library appears under its name only when complete). Raises ``RuntimeError``
     with the reason."""
-    folder = kernels_dir(home)
+    folder = kernels_dir(home, variant)
     library = folder / "libdisco_q4q8.so"
     if library.exists():
         return library
@@ -113,7 +144,7 @@ def build(home: Path) -> Path:
         raise RuntimeError("no g++ on PATH")
     with _locked(folder):  # a draft and a target service starting together build once
         if not library.exists():
-            _compile(compiler, folder, library)
+            _compile(compiler, variant, library)
     return library
 
 
@@ -125,32 +156,38 @@ def _locked(folder: Path) -> Iterator[None]:
         yield
 
 
-def _compile(compiler: str, folder: Path, library: Path) -> None:
-    with tempfile.NamedTemporaryFile(dir=folder, suffix=".so", delete=False) as handle:
+def _compile(compiler: str, variant: Variant, library: Path) -> None:
+    with tempfile.NamedTemporaryFile(dir=library.parent, suffix=".so", delete=False) as handle:
         partial = Path(handle.name)
-    command = [compiler, *_CFLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+    command = [compiler, *_COMMON_CFLAGS, *variant.cflags,
+               f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+               f'-DDISCO_Q4Q8_VARIANT="{variant.kernel}"',
                *[f"-I{path}" for path in cpp_extension.include_paths()], str(SOURCE), "-o", str(partial),
                *[f"-L{path}" for path in cpp_extension.library_paths()], "-lc10", "-ltorch_cpu"]
-    logger.info("building the q4 x q8 kernel (once; ~10 s) into %s ...", folder)
+    logger.info("building the %s kernel (once; ~10 s) into %s ...", variant.kernel, library.parent)
     started = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         partial.unlink(missing_ok=True)
         raise RuntimeError(f"g++ failed: {result.stderr.strip().splitlines()[-1] if result.stderr.strip() else '?'}")
     partial.replace(library)
-    logger.info("built the q4 x q8 kernel in %.1f s", time.perf_counter() - started)
+    logger.info("built the %s kernel in %.1f s", variant.kernel, time.perf_counter() - started)
 
 
-def load(home: Path) -> str | None:
-    """Make the ops available in this process. Returns ``None``, or why they are not."""
+def load(home: Path, variant: Variant | None = None) -> str | None:
+    """Make the ops of ``variant`` (default: the best this CPU runs) available in this
+    process. Returns ``None``, or why they are not."""
     if ops_loaded():
+        if variant is not None and loaded_kernel() != variant.kernel:
+            return f"{loaded_kernel()} is loaded in this process, not {variant.kernel}"
         return None
-    if not cpu_supports():
-        return f"the CPU lacks {'/'.join(REQUIRED_FLAGS)}"
+    variant = variant or variant_for(cpu_flags())
+    if variant is None:
+        return f"the CPU has neither {' nor '.join('/'.join(v.cpu_flags) for v in VARIANTS)}"
     try:
-        torch.ops.load_library(str(build(home)))
+        torch.ops.load_library(str(build(home, variant)))
     except (RuntimeError, OSError) as error:
-        return f"the kernel could not be built or loaded: {error}"
+        return f"the {variant.kernel} kernel could not be built or loaded: {error}"
     return None
 
 
@@ -179,21 +216,22 @@ def dequantize(packed: torch.Tensor,  # uint8, from :func:`pack`
 
 
 def choose_kernel(home: Path) -> KernelChoice:
-    """The int4 engine's kernel on this machine: measured once per machine, torch version and
-    thread count (cached in ``$DISCO_HOME/kernels``), read afterwards. The q4 x q8 kernel is
+    """The int4 engine's kernel on this machine: measured once per machine, build, torch
+    version and thread count (cached beside the build), read afterwards. The q4 x q8 kernel is
     chosen where it loads and multiplies :data:`PROBE_SHAPE` at 1 and 5 rows in at most
     :data:`MARGIN` of torch's time."""
     threads = torch.get_num_threads()
     why_not = load(home)
     if why_not is not None:
         return KernelChoice(TORCH_KERNEL, f"int4 kernel {TORCH_KERNEL}: {why_not}")
-    path = kernels_dir(home) / f"choice-t{threads}.json"
+    variant = next(variant for variant in VARIANTS if variant.kernel == loaded_kernel())
+    path = kernels_dir(home, variant) / f"choice-t{threads}.json"
     if (cached := _read_choice(path)) is not None:
         return cached
     with _locked(path.parent):  # one measurement, so that every process runs the same kernel
         if (cached := _read_choice(path)) is not None:
             return cached
-        choice = _measure_choice(threads)
+        choice = _measure_choice(variant.kernel, threads)
         try:
             tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
             tmp.write_text(json.dumps(choice.to_json()) + "\n")
@@ -211,7 +249,7 @@ def _read_choice(path: Path) -> KernelChoice | None:
         return None
 
 
-def _measure_choice(threads: int) -> KernelChoice:
+def _measure_choice(kernel: str, threads: int) -> KernelChoice:
     """Time both kernels on random weights of :data:`PROBE_SHAPE` (best of 5, interleaved)."""
     out_features, in_features = PROBE_SHAPE
     generator = torch.Generator().manual_seed(0)
@@ -221,11 +259,11 @@ def _measure_choice(threads: int) -> KernelChoice:
     packed_q4q8 = pack(q, scales, zeros)
     packed_torch = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
     scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
-    seconds = {KERNEL: 0.0, TORCH_KERNEL: 0.0}
+    seconds = {kernel: 0.0, TORCH_KERNEL: 0.0}
     with torch.no_grad():
         for rows in PROBE_ROWS:
             inputs = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
-            calls = {KERNEL: lambda: mm(inputs, packed_q4q8, out_features),
+            calls = {kernel: lambda: mm(inputs, packed_q4q8, out_features),
                      TORCH_KERNEL: lambda: torch._weight_int4pack_mm_for_cpu(inputs, packed_torch, 32,
                                                                              scales_and_zeros)}
             best = {name: float("inf") for name in calls}
@@ -237,7 +275,7 @@ def _measure_choice(threads: int) -> KernelChoice:
                     best[name] = min(best[name], (time.perf_counter() - started) / 4)
             for name in seconds:
                 seconds[name] += best[name]
-    kernel = KERNEL if seconds[KERNEL] <= MARGIN * seconds[TORCH_KERNEL] else TORCH_KERNEL
+    chosen = kernel if seconds[kernel] <= MARGIN * seconds[TORCH_KERNEL] else TORCH_KERNEL
     shape = f"{out_features}x{in_features} at {'+'.join(map(str, PROBE_ROWS))} rows, {threads} threads"
-    return KernelChoice(kernel, f"int4 kernel {kernel} (measured {shape}: {KERNEL} "
-                                f"{seconds[KERNEL] * 1e3:.2f} ms, {TORCH_KERNEL} {seconds[TORCH_KERNEL] * 1e3:.2f} ms)")
+    return KernelChoice(chosen, f"int4 kernel {chosen} (measured {shape}: {kernel} "
+                                f"{seconds[kernel] * 1e3:.2f} ms, {TORCH_KERNEL} {seconds[TORCH_KERNEL] * 1e3:.2f} ms)")

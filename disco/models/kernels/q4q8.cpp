@@ -1,4 +1,5 @@
-// q4 x q8 dot products with AVX-512 VNNI: the int4 engine's decode and verification kernel.
+// q4 x q8 dot products with AVX-512 VNNI (or AVX2, built with other flags): the int4 engine's
+// decode and verification kernel.
 //
 // Weights: 4-bit q in [0, 15] per group of 32 inputs, w = (q - 8) * scale + zero (bf16 scale
 // and zero per group and output channel: the int4 engine's grid, a GGUF Q4_K sub-block as it
@@ -25,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 namespace {
@@ -52,10 +54,17 @@ inline uint16_t float_to_bf16(float value) {  // round to nearest even, as torch
   return static_cast<uint16_t>(word >> 16);
 }
 
+#if defined(__AVX512VNNI__)
 inline __m512 load_bf16x16(const uint8_t* bytes) {
   __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
+#else
+inline __m256 load_bf16x8(const uint8_t* bytes) {
+  __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+#endif
 
 // One row's activations, quantized per group: int8 values, the scale and the two sums.
 struct QuantizedRows {
@@ -98,6 +107,7 @@ QuantizedRows quantize_rows(const uint16_t* x, int64_t rows, int64_t in_features
 }
 
 // Rows [row0, row0 + tile) x output block `block`: float32 results into out_block[tile][16].
+#if defined(__AVX512VNNI__)
 inline void block_rows(const uint8_t* weights, const QuantizedRows& xq, int64_t row0, int64_t tile,
                        int64_t groups, int64_t in_features, float* out_block) {
   const __m512i low_mask = _mm512_set1_epi8(0x0f);
@@ -130,6 +140,52 @@ inline void block_rows(const uint8_t* weights, const QuantizedRows& xq, int64_t 
   }
   for (int64_t t = 0; t < tile; ++t) _mm512_storeu_ps(out_block + t * kLanes, acc[t]);
 }
+
+#else
+// The AVX2 build: the same arithmetic in 8-lane halves of the 16-channel block. VPMADDUBSW
+// multiplies the u4 weights by the s8 activations and adds pairs (at most 2 * 15 * 127, no
+// saturation), VPMADDWD adds the pairs to the four products VPDPBUSD sums: the same int32,
+// then the same float32 operations in the same order, so the same bits as the VNNI build.
+inline void block_rows(const uint8_t* weights, const QuantizedRows& xq, int64_t row0, int64_t tile,
+                       int64_t groups, int64_t in_features, float* out_block) {
+  const __m256i low_mask = _mm256_set1_epi8(0x0f);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[kRowTile][2];
+  for (int64_t t = 0; t < tile; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* group = weights + g * kGroupBytes;
+    for (int64_t line = 0; line < kGroupBytes; line += 64)  // past the end is harmless: a hint never faults
+      _mm_prefetch(reinterpret_cast<const char*>(group + kPrefetchGroups * kGroupBytes + line), _MM_HINT_T0);
+    for (int h = 0; h < 2; ++h) {  // channels 8h .. 8h + 7
+      __m256i nibbles[8];
+      for (int b = 0; b < 4; ++b) {
+        __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 64 * b + 32 * h));
+        nibbles[2 * b] = _mm256_and_si256(packed, low_mask);
+        nibbles[2 * b + 1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_mask);
+      }
+      const __m256 scale = load_bf16x8(group + 256 + 16 * h);
+      const __m256 zero = load_bf16x8(group + 256 + 32 + 16 * h);
+      for (int64_t t = 0; t < tile; ++t) {
+        const int64_t r = row0 + t;
+        const int8_t* xr = xq.values.data() + r * in_features + g * kGroup;
+        int32_t words[8];
+        std::memcpy(words, xr, sizeof(words));
+        __m256i dot = _mm256_setzero_si256();
+        for (int w = 0; w < 8; ++w)
+          dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(nibbles[w], _mm256_set1_epi32(words[w])), ones));
+        dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(xq.offsets[r * groups + g]));
+        const __m256 partial = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(xq.scales[r * groups + g]));
+        acc[t][h] = _mm256_fmadd_ps(partial, scale, acc[t][h]);
+        acc[t][h] = _mm256_fmadd_ps(zero, _mm256_set1_ps(xq.sums[r * groups + g]), acc[t][h]);
+      }
+    }
+  }
+  for (int64_t t = 0; t < tile; ++t) {
+    _mm256_storeu_ps(out_block + t * kLanes, acc[t][0]);
+    _mm256_storeu_ps(out_block + t * kLanes + 8, acc[t][1]);
+  }
+}
+#endif
 
 at::Tensor q4q8_mm(const at::Tensor& x, const at::Tensor& weights, int64_t out_features) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
@@ -220,7 +276,11 @@ void dequantize_q4q8(const at::Tensor& weights, int64_t out_features, int64_t in
   at::parallel_for(start / kLanes, end / kLanes, 1, [&](int64_t begin, int64_t finish) {
     alignas(64) uint8_t q[kLanes][kGroup];
     alignas(64) float values[kGroup];
+#if defined(__AVX512VNNI__)
     const __m512 eight = _mm512_set1_ps(8.f);
+#else
+    const __m256 eight = _mm256_set1_ps(8.f);
+#endif
     for (int64_t block = begin; block < finish; ++block) {
       for (int64_t g = 0; g < groups; ++g) {
         const uint8_t* group = packed + (block * groups + g) * kGroupBytes;
@@ -234,23 +294,31 @@ void dequantize_q4q8(const at::Tensor& weights, int64_t out_features, int64_t in
           }
         const uint16_t* scales = reinterpret_cast<const uint16_t*>(group + 256);
         for (int64_t j = 0; j < kLanes; ++j) {
+#if defined(__AVX512VNNI__)
           const __m512 scale = _mm512_set1_ps(bf16_to_float(scales[j]));
           const __m512 zero = _mm512_set1_ps(bf16_to_float(scales[kLanes + j]));
+#else
+          const __m256 scale = _mm256_set1_ps(bf16_to_float(scales[j]));
+          const __m256 zero = _mm256_set1_ps(bf16_to_float(scales[kLanes + j]));
+#endif
           const int64_t row = block * kLanes + j - start;
-          for (int half = 0; half < 2; ++half) {
-            const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(&q[j][16 * half]));
+          float* dst = to_bf16 ? values : out.data_ptr<float>() + row * in_features + g * kGroup;
+#if defined(__AVX512VNNI__)
+          for (int part = 0; part < 2; ++part) {
+            const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(&q[j][16 * part]));
             __m512 value = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)), eight);
-            value = _mm512_add_ps(_mm512_mul_ps(value, scale), zero);
-            if (to_bf16) {
-              _mm512_storeu_ps(values + 16 * half, value);
-            } else {
-              float* dst = out.data_ptr<float>() + row * in_features + g * kGroup + 16 * half;
-              _mm512_storeu_ps(dst, value);
-            }
+            _mm512_storeu_ps(dst + 16 * part, _mm512_add_ps(_mm512_mul_ps(value, scale), zero));
           }
+#else
+          for (int part = 0; part < 4; ++part) {
+            const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(&q[j][8 * part]));
+            __m256 value = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), eight);
+            _mm256_storeu_ps(dst + 8 * part, _mm256_add_ps(_mm256_mul_ps(value, scale), zero));
+          }
+#endif
           if (to_bf16) {
-            uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr()) + row * in_features + g * kGroup;
-            for (int64_t k = 0; k < kGroup; ++k) dst[k] = float_to_bf16(values[k]);
+            uint16_t* rounded = reinterpret_cast<uint16_t*>(out.data_ptr()) + row * in_features + g * kGroup;
+            for (int64_t k = 0; k < kGroup; ++k) rounded[k] = float_to_bf16(values[k]);
           }
         }
       }
@@ -260,7 +328,10 @@ void dequantize_q4q8(const at::Tensor& weights, int64_t out_features, int64_t in
 
 }  // namespace
 
+std::string variant() { return DISCO_Q4Q8_VARIANT; }
+
 TORCH_LIBRARY(disco_q4q8, m) {
+  m.def("variant() -> str", &variant);  // which build this is: no tensor to dispatch on
   m.def("mm(Tensor x, Tensor weights, int out_features) -> Tensor");
   m.def("pack(Tensor q, Tensor scales, Tensor zeros) -> Tensor");
   m.def("dequantize(Tensor weights, int out_features, int in_features, int start, int end, Tensor(a!) out) -> ()");
