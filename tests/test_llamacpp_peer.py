@@ -157,6 +157,11 @@ def test_runs_every_config_per_prompt_and_summarizes(tmp_path):
     assert spec["acceptance_rate"] == 1.0 and spec["prompts"] == 2 and spec["transport"] == "llamacpp"
     assert spec["identical"] == 1.0  # same text as target-only over their common length
     assert sum(r.get("note") == "best" for r in rows.values()) == 1 and "note" not in target
+    assert "agrees_with_ours" not in target  # no texts of ours given
+    text = results[("llamacpp-target", 0, 0)].text
+    with_ours = {r["policy"]: r for r in llamacpp.summarize(results, [text[:5] + text[5:], "x" + text])}
+    assert with_ours["llamacpp-target"]["agrees_with_ours"] == 0.5  # prompt 2: ours differs at its start
+    assert "agrees_with_ours" not in with_ours["llamacpp-spec default"]
 
 
 def test_bench_without_llamacpp_still_runs_and_says_how_to_install(tiny_pair_dirs, tmp_path, capsys, monkeypatch):

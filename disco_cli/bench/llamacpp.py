@@ -228,9 +228,13 @@ def run_peer(settings: LlamaCppSettings, prompts: Sequence[str],
     return results
 
 
-def summarize(results: dict[tuple[str, int, int], LlamaCppRun]) -> list[dict]:
+def summarize(results: dict[tuple[str, int, int], LlamaCppRun],
+              ours: Sequence[str | None] = ()) -> list[dict]:
     """Bench rows (transport ``llamacpp``); speedups are over llama.cpp target-only on the
-    same prompts and repeat. The speculative row with the best decode rate gets ``note: best``."""
+    same prompts and repeat. The speculative row with the best decode rate gets ``note: best``.
+    ``ours``: our target-only completion text per prompt; the target-only row then gets
+    ``agrees_with_ours``, the share of prompts whose texts agree over their common length
+    (informational: llama.cpp quantizes activations its own way, so near-ties may differ)."""
     by_label: dict[str, dict[tuple[int, int], LlamaCppRun]] = {}
     for (label, repeat, index), run in results.items():
         by_label.setdefault(label, {})[(repeat, index)] = run
@@ -257,6 +261,9 @@ def summarize(results: dict[tuple[str, int, int], LlamaCppRun]) -> list[dict]:
             "generated_tokens": statistics.mean(r.generated_tokens for r in first),
             "prompt_tokens": statistics.mean(r.prompt_tokens for r in first),
         })
+    if ours and base:
+        agree = [_agree(base[(0, index)].text, text) for index, text in enumerate(ours) if (0, index) in base]
+        next(r for r in rows if r["policy"] == "llamacpp-target")["agrees_with_ours"] = sum(agree) / len(agree)
     spec = [r for r in rows if r["policy"] != "llamacpp-target"]
     if spec:
         max(spec, key=lambda r: r["decode_tokens_per_s"])["note"] = "best"

@@ -94,6 +94,16 @@ def first_divergence(tokens: Sequence[int], reference: Sequence[int]) -> int | N
     return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
 
 
+def target_only_texts(run: BenchRun, tokenizer, prompts: int) -> list[str | None]:
+    """Our target-only (``none``) completion per prompt, first repeat, as text (``None``
+    where it did not run): what the llama.cpp peer's target-only text is compared with."""
+    texts: list[str | None] = [None] * prompts
+    for m in run.measurements:
+        if m.policy == "none" and m.repeat == 0 and texts[m.prompt_index] is None:
+            texts[m.prompt_index] = tokenizer.decode(m.outcome.token_ids, skip_special_tokens=True)
+    return texts
+
+
 def summarize(run: BenchRun) -> list[dict]:
     """One row per (policy, transport), over the prompts completed in every repeat."""
     by_cell: dict[tuple[str, str], dict[tuple[int, int], RunOutcome]] = {}

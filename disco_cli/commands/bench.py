@@ -144,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
     rows = runner.summarize(result)
     llamacpp_env = None
     if llamacpp_settings is not None and not result.interrupted:
-        llamacpp_rows, llamacpp_env = _run_llamacpp(llamacpp_settings, dataset, tokenizer, prompts, args.repeats)
+        llamacpp_rows, llamacpp_env = _run_llamacpp(llamacpp_settings, dataset, tokenizer, prompts, args.repeats,
+                                                     runner.target_only_texts(result, tokenizer, len(prompts)))
         rows += llamacpp_rows
     oracle_speedup = args.oracle_speedup or next(
         (r["speedup"] for r in rows if r["policy"] == "oracle"), None)
@@ -197,7 +198,8 @@ def _numbers(text: str, kind, flag: str, low: float, high: float) -> tuple:
     return values
 
 
-def _run_llamacpp(settings, dataset, tokenizer, prompts: list[list[int]], repeats: int) -> tuple[list[dict], dict]:
+def _run_llamacpp(settings, dataset, tokenizer, prompts: list[list[int]], repeats: int,
+                  ours: list[str | None]) -> tuple[list[dict], dict]:
     """llama.cpp's rows and what the JSON records about the run (or an error, printed)."""
     from disco_cli.bench import llamacpp  # noqa: PLC0415
 
@@ -206,7 +208,7 @@ def _run_llamacpp(settings, dataset, tokenizer, prompts: list[list[int]], repeat
         list(item.messages), add_generation_prompt=True, tokenize=False) for item in dataset.items]
     env = llamacpp.describe(settings, prompts)
     try:
-        rows = llamacpp.summarize(llamacpp.run_peer(settings, texts, repeats))
+        rows = llamacpp.summarize(llamacpp.run_peer(settings, texts, repeats), ours)
     except KeyboardInterrupt:
         print("--peer llamacpp interrupted: no llama.cpp rows", file=sys.stderr)
         return [], {**env, "error": "interrupted"}
