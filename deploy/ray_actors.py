@@ -105,7 +105,8 @@ class ModelService:
         host = host or ray.util.get_node_ip_address()
         self._tls = _tls(tls)
         options = {"overlap": overlap} if role == "draft" else {}
-        self._running = module.serve(loaded, host=host, port=0, limits=SessionLimits(**(limits or {})),
+        self._limits = SessionLimits(**(limits or {}))
+        self._running = module.serve(loaded, host=host, port=0, limits=self._limits,
                                      tls=self._tls, metrics_port=0 if metrics else None, **options)
         if self._running.metrics is not None:
             self._running.metrics.describe_engine(model["dtype"], model.get("device", "cpu"))
@@ -118,7 +119,8 @@ class ModelService:
         return self._address
 
     def describe(self) -> dict:
-        return _describe(self.role, self._address, self._service, self._running, self._tls, model=self._model)
+        return _describe(self.role, self._address, self._service, self._running, self._tls, model=self._model,
+                         limits={"max_sessions": self._limits.max_sessions, "max_kv_bytes": self._limits.max_kv_bytes})
 
     def stop(self, grace_s: float = 2.0) -> None:
         """Drain the gRPC server (``disco down`` calls this before killing the actor)."""

@@ -71,6 +71,7 @@ class UpConfig:
     orchestrator: bool = True
     max_restarts: int = -1  # -1: restart forever
     max_sessions: int = 64
+    max_kv_bytes: int = 0  # each draft/target replica's KV-cache budget in bytes (0: derived from its memory)
     startup_timeout_s: float = STARTUP_TIMEOUT_S
     placement_timeout_s: float = PLACEMENT_TIMEOUT_S
     # TLS: PEM paths readable on every node (a shared volume, the image, a mounted Secret);
@@ -198,7 +199,7 @@ def _deploy(config: UpConfig, auth_token: str | None) -> dict:
             name=replica_name(role, replica.index), lifetime="detached", max_restarts=config.max_restarts,
             num_cpus=replica.cpus, num_gpus=replica.gpus, resources=replica.resources or None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=replica.bundle),
-        ).remote(role, model, config.host, {"max_sessions": config.max_sessions}, config.tls_paths(), config.metrics,
+        ).remote(role, model, config.host, {"max_sessions": config.max_sessions, "max_kv_bytes": config.max_kv_bytes}, config.tls_paths(), config.metrics,
                  overlap=config.overlap and role == "draft")
     addresses = {name: _await(name, handle, config.startup_timeout_s) for name, handle in handles.items()}
     orchestrator = http = None

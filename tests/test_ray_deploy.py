@@ -61,6 +61,9 @@ class Deployment:
             "tls_ca": str(self.ca), "tls_server_name": SERVER_NAME, "auth_token": TOKEN, **options})
 
 
+KV_BUDGET = 1 << 30
+
+
 @pytest.fixture(scope="module")
 def deployment(tiny_pair_dirs, tmp_path_factory):
     home = tmp_path_factory.mktemp("ray_home")
@@ -70,7 +73,7 @@ def deployment(tiny_pair_dirs, tmp_path_factory):
     info = up(UpConfig(target=str(tiny_pair_dirs["target"]), draft=str(tiny_pair_dirs["draft"]), dtype="float32",
                        namespace=namespace, target_replicas=2, port=0, tls_cert=str(services.cert),
                        tls_key=str(services.key), tls_ca=str(authority.ca), tls_server_name=SERVER_NAME,
-                       metrics=True, http_port=0), home, auth_token=TOKEN)
+                       metrics=True, http_port=0, max_kv_bytes=KV_BUDGET), home, auth_token=TOKEN)
     deployment = Deployment(info, home, namespace, {}, authority.ca)
     yield deployment
     if ray.is_initialized():  # a test failed before test_down_removes_everything
@@ -108,6 +111,7 @@ def test_up_starts_every_actor_and_status_lists_them(deployment):
             assert b"disco_" in page.read()
         if name != "orchestrator":
             assert actor["resources"] == {"CPU": 1.0} and actor["model"]["dtype"] == "float32"
+            assert actor["limits"] == {"max_sessions": 64, "max_kv_bytes": KV_BUDGET}  # `disco up --max-kv-bytes`
     assert sorted(actors[n]["address"] for n in ("target-0", "target-1")) == sorted(info["target"])
     assert report["orchestrator"] == info["orchestrator"]
     assert report["placement_group"]["strategy"] == "SPREAD" and report["placement_group"]["state"] == "CREATED"

@@ -16,7 +16,7 @@ import time
 
 from disco.errors import DiscoError
 from disco_cli.commands.common import add_deployment_security_args, add_dtype_arg, add_server_security_args
-from disco_cli.commands.serve import add_http_port_arg, add_overlap_arg, overlap_from_args
+from disco_cli.commands.serve import add_http_port_arg, add_overlap_arg, overlap_from_args, parse_bytes
 
 DEFAULT_NAMESPACE = "disco"
 DEFAULT_PORT = 50051
@@ -57,6 +57,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="how long to wait for the resources (default 300 s)")
     parser.add_argument("--max-restarts", type=int, default=-1, help="Ray restarts per actor (default -1: unlimited)")
     parser.add_argument("--max-sessions", type=int, default=64, help="concurrent sessions per replica (default 64)")
+    parser.add_argument("--max-kv-bytes", type=parse_bytes, default=0, metavar="BYTES",
+                        help="KV-cache bytes all sessions of one draft or target replica may hold, e.g. 8G "
+                             "(default 0: derived from the replica's free memory, as `disco serve`)")
     parser.add_argument("--metrics", action="store_true",
                         help="each service serves Prometheus /metrics on a free port (`disco status` lists them)")
     add_overlap_arg(parser, "of the draft replicas")
@@ -132,7 +135,8 @@ def _run_up(args: argparse.Namespace) -> int:
         draft_resources=_resources(args.draft_resource, "draft"),
         draft_cpus=args.draft_cpus, target_replicas=args.target_replicas, draft_replicas=args.draft_replicas,
         placement=args.placement, host=args.host, port=args.port, orchestrator=not args.no_orchestrator,
-        max_restarts=args.max_restarts, max_sessions=args.max_sessions, placement_timeout_s=args.placement_timeout,
+        max_restarts=args.max_restarts, max_sessions=args.max_sessions, max_kv_bytes=args.max_kv_bytes,
+        placement_timeout_s=args.placement_timeout,
         tls_cert=_absolute(args.tls_cert), tls_key=_absolute(args.tls_key), tls_ca=_absolute(args.tls_ca),
         tls_server_name=args.tls_server_name, tls_require_client_cert=args.tls_require_client_cert,
         metrics=args.metrics, overlap=overlap_from_args(args), http_port=args.http_port)
