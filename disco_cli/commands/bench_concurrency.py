@@ -85,7 +85,9 @@ def _merge_rounds(rounds: list[dict]) -> dict:
         row.pop("latencies")
         return row
     latencies = [value for row in rounds for value in row["latencies"]]
-    tokens, wall_s = sum(row["tokens"] for row in rounds), sum(row["wall_s"] for row in rounds)
+    # each round's wall from its tokens/s: ``wall_s`` is rounded to ms, too coarse for short rounds
+    tokens, wall_s = sum(row["tokens"] for row in rounds), sum(
+        row["tokens"] / row["tokens_per_s"] if row["tokens_per_s"] else row["wall_s"] for row in rounds)
     return {"policy": rounds[0]["policy"], "concurrency": rounds[0]["concurrency"], "tokens": tokens,
             "wall_s": round(wall_s, 3), "tokens_per_s": round(tokens / wall_s, 4),
             "latency_p50_s": round(_percentile(latencies, 50), 4), "latency_p95_s": round(_percentile(latencies, 95), 4),
