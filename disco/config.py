@@ -16,6 +16,13 @@ ENGINE_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
 #: The weight-only engines: their kernels are torch's CPU ops (``_weight_int8pack_mm``,
 #: ``_weight_int4pack_mm_for_cpu``), so a CUDA device refuses them.
 CPU_ONLY_DTYPES = ("int8", "int4")
+#: Engines refused on a GPU, and why: exactness is the first promise, and these could not keep it
+#: there (docs/engines.md, "Exactness on CUDA").
+GPU_REFUSED_DTYPES = {
+    "float16": "on an H200 its verified blocks gave logits up to 0.2 from decoding's (float16's range "
+               "and rounding amplify the order of the sums), so speculative output would differ from "
+               "target-only",
+}
 #: What ``--dtype`` accepts: an engine, or "auto" (bf16 on CUDA; on a CPU the candidate
 #: engines timed on the machine: disco.engines.engine_choice).
 DTYPE_CHOICES = ("auto", *ENGINE_DTYPES)
@@ -124,7 +131,10 @@ class ModelConfig:
             raise InvalidRequest(f"device must be cpu or cuda[:N], got {self.device!r}")
         if self.dtype in CPU_ONLY_DTYPES and self.device != "cpu":
             raise InvalidRequest(f"the {self.dtype} engine runs on a CPU only (its kernels are torch's CPU "
-                                 f"weight-only ops); on {self.device} use bfloat16, float16 or float32")
+                                 f"weight-only ops); on {self.device} use bfloat16 or float32")
+        if self.dtype in GPU_REFUSED_DTYPES and self.device != "cpu":
+            raise InvalidRequest(f"the {self.dtype} engine is refused on {self.device}: "
+                                 f"{GPU_REFUSED_DTYPES[self.dtype]}; use bfloat16 (exact there) or float32")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from disco.platform import tune_cpu_math_env
 tune_cpu_math_env()  # before anything imports torch
 
 from disco.errors import DiscoError  # noqa: E402
+from disco.models import hub_kernels  # noqa: E402
 
 # Subcommand modules, in the order ``disco --help`` lists them.
 COMMAND_MODULES = (
@@ -58,6 +59,7 @@ def run(args: argparse.Namespace, func: Callable[[argparse.Namespace], int] | No
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        hub_kernels.keep_off()  # before any model load: no Hub kernels, no download (disco.models.hub_kernels)
         return int((func or args.func)(args) or 0)
     except DiscoError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -208,4 +208,5 @@ def test_models_load_straight_onto_their_device(monkeypatch):
     monkeypatch.setattr(loading.AutoTokenizer, "from_pretrained", lambda location, **kwargs: "tokenizer")
     assert loading._load_hf("folder", torch.bfloat16, False, "cuda:1") == ("model", "tokenizer")
     loading._load_hf("folder", torch.float32, False, "cpu")
-    assert calls == [{"dtype": torch.bfloat16, "device_map": "cuda:1"}, {"dtype": torch.float32}]
+    assert calls == [{"dtype": torch.bfloat16, "device_map": "cuda:1", "use_kernels": False},
+                     {"dtype": torch.float32, "use_kernels": False}]  # never a Hub kernel

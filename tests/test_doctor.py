@@ -107,8 +107,9 @@ def test_engines_a_cuda_device_supports_are_what_config_validation_allows():
     from disco_cli.doctor_setup import engine_support
 
     supported, refused = engine_support("cuda")
-    assert supported == ("float32", "bfloat16", "float16")
-    assert set(refused) == {"int8", "int4"} and "runs on a CPU only" in refused["int8"]
+    assert supported == ("float32", "bfloat16")
+    assert set(refused) == {"int8", "int4", "float16"} and "runs on a CPU only" in refused["int8"]
+    assert "refused on cuda" in refused["float16"] and "decoding" in refused["float16"]
 
 
 def test_the_random_default_pair_architectures_match_the_default_pair():

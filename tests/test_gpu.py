@@ -11,8 +11,11 @@ import json
 import pytest
 import torch
 
-from disco.config import SamplingParams, SpeculationConfig
+from disco.config import ModelConfig, SamplingParams, SpeculationConfig
 from disco.engines.kv import CachedSequence
+from disco.models import row_stable
+from disco.models.hub_kernels import ENV_VAR
+from disco.models.loading import load_model
 from disco_cli.doctor_checks import generate_concurrently
 from disco_cli.main import main
 from tests.helpers import PROMPTS, local_generator
@@ -77,7 +80,7 @@ def test_int8_and_int4_on_cuda_are_refused_naming_the_engines_that_run_there(cap
                  "--device", DEVICE, "--dtype", engine, "--prompt", "x"])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
-    assert f"the {engine} engine runs on a CPU only" in err and "bfloat16, float16 or float32" in err
+    assert f"the {engine} engine runs on a CPU only" in err and "bfloat16 or float32" in err
 
 
 def test_a_packed_batch_of_8_sessions_gives_each_its_solo_forward_on_cuda(cuda_pair, tokenizer):
@@ -123,5 +126,72 @@ def test_disco_doctor_passes_on_cuda(capsys, tiny_pair_dirs, tmp_path, monkeypat
     report = json.loads(captured.out)
     assert code == 0 and report["ok"], json.dumps([c for c in report["checks"] if not c["ok"]], indent=1)
     assert report["checks"][0]["name"] == "device" and report["checks"][0]["capability"]
-    assert report["checks"][1]["checked"] == ["float32", "bfloat16", "float16"]
+    assert report["checks"][1]["checked"] == ["float32", "bfloat16"]  # float16 is refused on CUDA
     assert {c["name"] for c in report["checks"]} >= {"costs", "greedy-alone", "greedy-batched", "sampled"}
+
+
+# --- bf16, the CUDA default engine, under live load (the first GPU run's failure) ---------
+
+#: Mixed lookaheads: short and long blocks, fixed and adaptive, in one live batch.
+MIXED_POLICIES = ("static:1", "static:4", "static:8", "heuristic:2", "confidence:0.4", "none")
+
+
+@pytest.fixture(scope="module")
+def cuda_bf16_pair(target_model, drafts):
+    return on_cuda(target_model, torch.bfloat16), on_cuda(drafts["noisy"], torch.bfloat16)
+
+
+def mixed_prompts(tokenizer, sessions: int) -> list[list[int]]:
+    """Prompts of many lengths (a few tokens to ~100): caches across several 64-key granules."""
+    return [tokenizer(PROMPTS[i % len(PROMPTS)] * (1 + i % 4) + str(i) * (i % 5))["input_ids"]
+            for i in range(sessions)]
+
+
+@pytest.mark.parametrize("sessions", [8, 16])
+def test_bf16_greedy_under_load_equals_target_only_alone_on_cuda(cuda_bf16_pair, tokenizer, sessions):
+    target, draft = cuda_bf16_pair
+    generator = local_generator(target, draft, tokenizer)
+    assert generator.verifier.batcher.packed, generator.verifier.batcher.verdict.detail
+    prompts = mixed_prompts(tokenizer, sessions)
+    reference = [generator.generate(ids, greedy(32), SpeculationConfig(policy="none")).token_ids for ids in prompts]
+    assert all(len(set(tokens)) > 8 for tokens in reference)
+    generator.verifier.batcher.batch_sizes = []
+    jobs = [(ids, greedy(32), MIXED_POLICIES[i % len(MIXED_POLICIES)]) for i, ids in enumerate(prompts)]
+    concurrent = generate_concurrently(generator, jobs)
+    wrong = [i for i, (result, expected) in enumerate(zip(concurrent, reference)) if result.token_ids != expected]
+    assert not wrong, f"{len(wrong)}/{sessions} differ from target-only alone: {[jobs[i][2] for i in wrong]}"
+    assert max(generator.verifier.batcher.batch_sizes) >= 4  # the sessions did share forwards
+
+
+@pytest.mark.parametrize("sessions", [8, 16])
+def test_bf16_seeded_sample_is_the_same_alone_and_among_others_on_cuda(cuda_bf16_pair, tokenizer, sessions):
+    target, draft = cuda_bf16_pair
+    generator = local_generator(target, draft, tokenizer)
+    prompts = mixed_prompts(tokenizer, sessions)
+
+    def sampled(seed: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=0.8, top_p=0.95, seed=seed, ignore_eos=True)
+
+    alone = [generator.generate(ids, sampled(7 + i), SpeculationConfig(policy="static:4")).token_ids
+             for i, ids in enumerate(prompts[:2])]
+    jobs = [(ids, sampled(7 + i), MIXED_POLICIES[i % (len(MIXED_POLICIES) - 1)]) for i, ids in enumerate(prompts)]
+    jobs[1] = (prompts[1], sampled(8), "static:4")
+    jobs[0] = (prompts[0], sampled(7), "static:4")
+    loaded = generate_concurrently(generator, jobs)
+    assert [loaded[0].token_ids, loaded[1].token_ids] == alone
+
+
+def test_a_saved_folder_loads_onto_cuda_offline_without_hub_kernels(tiny_pair_dirs, tmp_path, monkeypatch):
+    """The path that failed on the first GPU run: ``from_pretrained`` with ``device_map`` on CUDA,
+    where transformers swaps Hub kernels in unless told not to (no network here either)."""
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    loaded = load_model(ModelConfig(spec=str(tiny_pair_dirs["target"]), dtype="bfloat16", device=DEVICE),
+                        "target", tmp_path)
+    assert next(loaded.model.parameters()).device.type == "cuda"
+    assert not loaded.model.use_kernels
+    linears = [m for m in loaded.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(isinstance(m, row_stable.RowStableLinear) for m in linears)
+    sequence = CachedSequence(loaded.model, [1, 2, 3])
+    logits, _ = sequence.forward(3)
+    assert logits.shape[0] == 3 and torch.isfinite(logits).all()

@@ -261,6 +261,14 @@ def test_model_config_accepts_int8_and_refuses_unresolved_auto():
 def test_weight_only_engines_are_refused_on_cuda_with_the_engines_that_run_there(dtype):
     ModelConfig(dtype=dtype, device="cpu").validate()
     for device in ("cuda", "cuda:1"):
-        with pytest.raises(InvalidRequest, match="CPU only.*bfloat16, float16 or float32"):
+        with pytest.raises(InvalidRequest, match="CPU only.*bfloat16 or float32"):
             ModelConfig(dtype=dtype, device=device).validate()
     ModelConfig(dtype="bfloat16", device="cuda").validate()
+
+
+def test_float16_is_refused_on_cuda_with_the_reason_and_the_engines_that_are_exact_there():
+    ModelConfig(dtype="float16", device="cpu").validate()
+    for device in ("cuda", "cuda:1"):
+        with pytest.raises(InvalidRequest, match="float16 engine is refused on cuda.*differ from target-only.*"
+                                                 "use bfloat16 \\(exact there\\) or float32"):
+            ModelConfig(dtype="float16", device=device).validate()

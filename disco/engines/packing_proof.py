@@ -47,6 +47,7 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -54,12 +55,21 @@ from disco.config import DEFAULT_MAX_LOOKAHEAD
 from disco.engines import device_clock
 from disco.engines.kv import CachedSequence
 from disco.engines.packed_forward import supports_packing
+from disco.engines.varlen_attention import KEY_GRANULE
 from disco.models import row_stable
+from disco.models.weight_only import DENSE_MIN_ROWS
 
 logger = logging.getLogger(__name__)
 
-#: Longest block of a synthetic session (a verification of 4 draft tokens + the bonus).
-MAX_BLOCK = 5
+#: Longest block of a synthetic session: a verification of the default max lookahead + the bonus.
+MAX_BLOCK = DEFAULT_MAX_LOOKAHEAD + 1
+#: Prefills among the synthetic sessions: one long enough to be multiplied on its own
+#: (:data:`~disco.models.weight_only.DENSE_MIN_ROWS`), one whose rows share calls with others.
+PREFILL_BLOCKS = (DENSE_MIN_ROWS + 3, 7)
+#: The synthetic sessions' caches spread over this many 64-key granules of the one-call attention.
+KEY_GRANULES = 4
+#: Packed batch sizes proven on a CPU (plus the batcher's maximum): :func:`batch_sizes`.
+CPU_BATCH_SIZES = (2, 5)
 #: Blocks the decoding proof verifies at once, each against the same tokens decoded one at a
 #: time (the longest: a verification of the default max lookahead plus the bonus).
 PROOF_BLOCKS = (2, 5, 9, DEFAULT_MAX_LOOKAHEAD + 1)
@@ -107,6 +117,8 @@ def exactness_for(model: torch.nn.Module) -> Exactness:
         kept = model._disco_exactness = {}
     key = _model_key(model)
     if key not in kept:
+        if key[2] != "cpu" and row_stable.needs_plans(model):  # a GPU model built outside load_model
+            logger.info("row plans on %s: %s", key[2], row_stable.stabilize(model))
         exactness = prove_decoding(model)
         if not exactness.proven and row_stable.needs_plans(model):
             logger.info("verified blocks differ from decoding on %s: probing row plans there (%s)",
@@ -167,30 +179,115 @@ def verdict_for(model: torch.nn.Module, sessions: int) -> PackingVerdict:
     return verdicts[key]
 
 
-def prove_packing(model: torch.nn.Module, sessions: int, seed: int = 0) -> PackingVerdict:
-    """Feed ``sessions`` synthetic sessions alone and packed; compare logits bit for bit."""
+def batch_sizes(device: torch.device, sessions: int) -> tuple[int, ...]:
+    """The packed batch sizes the proof runs for a batcher of ``sessions``: every size from 2 on a
+    GPU (a forward costs milliseconds there); on a CPU, where a forward of the 1.5B target costs
+    ~0.1-0.5 s, :data:`CPU_BATCH_SIZES` (the row plans were probed for every call size already,
+    and the CPU's attention runs one query at a time)."""
+    if sessions < 2:
+        return ()
+    if device.type == "cpu":
+        return tuple(sorted({size for size in CPU_BATCH_SIZES if size < sessions} | {sessions}))
+    return tuple(range(2, sessions + 1))
+
+
+def prove_packing(model: torch.nn.Module, sessions: int, seed: int = 0,
+                  sizes: Sequence[int] | None = None) -> PackingVerdict:
+    """Run the compositions a batcher of ``sessions`` can issue, alone and packed, and compare
+    bit for bit (module doc; ``sizes``: the packed batch sizes, default :func:`batch_sizes`)."""
     if model.get_input_embeddings().weight.dtype == torch.float32:
         return PackingVerdict(True, "packed (float32: batched rows within ~1e-6 of solo rows)")
     if sessions < 2:
         return PackingVerdict(True, "packed (one session per forward)")
     device = model.get_input_embeddings().weight.device
     started = device_clock.now(device)
+    specs = synthetic_sessions(model, sessions + len(PREFILL_BLOCKS), seed)
+    alone = []
+    for spec in specs:
+        sequence = spec.build(model)
+        logits, _ = CachedSequence.forward_batch([sequence], [spec.num_logits], [False])[0]
+        alone.append(_outcome(spec, logits, sequence))
+    sizes = tuple(sizes) if sizes is not None else batch_sizes(device, sessions)
+    failures: list[str] = []
+    rows = 0
+    for size in sizes:
+        members = [(size + offset) % len(specs) for offset in range(size)]  # rotating: other mixes per size
+        batch = [specs[index].build(model) for index in members]
+        together = CachedSequence.forward_batch(batch, [specs[i].num_logits for i in members], [False] * size)
+        rows += sum(len(specs[i].block) for i in members)
+        wrong = [index for index, sequence, (logits, _) in zip(members, batch, together)
+                 if not _same(_outcome(specs[index], logits, sequence), alone[index])]
+        if wrong:
+            failures.append(f"{size} sessions: {len(wrong)} changed ("
+                            + ", ".join(specs[i].describe() for i in wrong[:3]) + ")")
+    seconds = device_clock.now(device) - started
+    what = (f"{len(sizes)} batches of {min(sizes)}-{max(sizes)} sessions, {rows} rows, blocks of 1-{MAX_BLOCK}, "
+            f"caches of {min(s.cache_len for s in specs)}-{max(s.cache_len for s in specs)} keys, prefills")
+    if failures:
+        logger.warning("packed forwards changed sessions' bits on %s (%s): batching is off, concurrent sessions "
+                       "run one forward each (exact, slower)", device, "; ".join(failures))
+        return PackingVerdict(False, f"one by one (a packed forward changed sessions' logits on {device}: "
+                                     f"{failures[0]})")
+    logger.info("packed forwards proven exact on %s: %s, bit for bit (%.1f s)", device, what, seconds)
+    return PackingVerdict(True, f"packed (proven bit for bit on {device}: {what})")
+
+
+@dataclass(frozen=True)
+class SyntheticSession:
+    """One session of the packing proof: a cache of ``cache_len`` positions filled with seeded
+    random keys and values (no prefill forward: any content shows a changed bit), then
+    ``block`` fed at once: a decoding step or a verification (``num_logits == len(block)``), or
+    a prefill (``num_logits == 0``: its last token stays pending, its cache is compared)."""
+
+    cache_len: int
+    block: tuple[int, ...]
+    num_logits: int
+    seed: int
+
+    def describe(self) -> str:
+        kind = "prefill" if self.num_logits == 0 else "block"
+        return f"{kind} of {len(self.block)} after {self.cache_len} keys"
+
+    def build(self, model: torch.nn.Module) -> CachedSequence:
+        """A fresh :class:`CachedSequence` in this state (same seed, same bits every time)."""
+        config = model.config.get_text_config(decoder=True)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        weight = model.get_input_embeddings().weight
+        tokens = [0] * self.cache_len + list(self.block) + ([0] if self.num_logits == 0 else [])
+        sequence = CachedSequence(model, tokens, capacity=len(tokens) + 1)
+        if self.cache_len:
+            generator = torch.Generator(device=weight.device).manual_seed(self.seed)  # drawn where they live
+            for layer in sequence.cache.layers:
+                keys, values = (torch.randn(1, kv_heads, self.cache_len, head_dim, generator=generator,
+                                            device=weight.device).to(weight.dtype) for _ in range(2))
+                layer.update(keys, values)
+            sequence.cache_len = self.cache_len
+        return sequence
+
+
+def synthetic_sessions(model: torch.nn.Module, count: int, seed: int = 0) -> list[SyntheticSession]:
+    """``count`` sessions: blocks of 1 to :data:`MAX_BLOCK` tokens over caches spread across
+    :data:`KEY_GRANULES` 64-key granules, the last ones the prefills of :data:`PREFILL_BLOCKS`."""
     rng = random.Random(seed)
     vocab = int(model.get_input_embeddings().weight.shape[0])
-    blocks = [[rng.randrange(vocab) for _ in range(1 + index % MAX_BLOCK)] for index in range(sessions)]
-    alone = [CachedSequence(model, block).forward(len(block))[0] for block in blocks]
-    together = CachedSequence.forward_batch([CachedSequence(model, block) for block in blocks],
-                                            [len(block) for block in blocks], [False] * sessions)
-    wrong = [index for index, ((logits, _), expected) in enumerate(zip(together, alone))
-             if not torch.equal(logits, expected)]
-    rows = sum(len(block) for block in blocks)
-    seconds = device_clock.now(device) - started
-    if wrong:
-        logger.warning("a packed forward of %d sessions (%d rows) gave %d of them other logits than alone on this "
-                       "machine: batching is off, concurrent sessions run one forward each (exact, slower)",
-                       sessions, rows, len(wrong))
-        return PackingVerdict(False, f"one by one (a packed forward of {sessions} sessions changed the logits of "
-                                     f"{len(wrong)} of them here)")
-    logger.info("packed forwards proven exact here: %d sessions, %d rows, bit for bit (%.1f s)",
-                sessions, rows, seconds)
-    return PackingVerdict(True, f"packed (proven bit for bit here: {sessions} sessions, {rows} rows)")
+    specs = []
+    for index in range(count):
+        prefill = index - (count - len(PREFILL_BLOCKS))
+        size = PREFILL_BLOCKS[prefill] if prefill >= 0 else 1 + (index * 5) % MAX_BLOCK
+        granule = index % KEY_GRANULES
+        cache_len = granule * KEY_GRANULE + (KEY_GRANULE if index % 7 == 3 else rng.randrange(KEY_GRANULE))
+        block = tuple(rng.randrange(vocab) for _ in range(size))
+        specs.append(SyntheticSession(cache_len, block, 0 if prefill >= 0 else size, seed * 1000 + index))
+    return specs
+
+
+def _outcome(spec: SyntheticSession, logits: torch.Tensor, sequence: CachedSequence) -> list[torch.Tensor]:
+    """What a session's forward decided: its logits, or (a prefill) its new cache entries."""
+    if spec.num_logits:
+        return [logits]
+    return [state[:, :, spec.cache_len:] for layer in sequence.cache.layers for state in (layer.keys, layer.values)]
+
+
+def _same(got: list[torch.Tensor], expected: list[torch.Tensor]) -> bool:
+    return len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))

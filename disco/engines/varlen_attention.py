@@ -35,13 +35,16 @@ decoding and verification alike (:func:`attention_plan` decides per device type)
 On the CPU this path measured slower than the reference at every shape tried, so the CPU keeps
 the reference (:func:`attention_plan`). On CUDA the call runs in the model's dtype (flash /
 memory-efficient kernels); with a mask those kernels take no ``enable_gqa``, so keys are
-repeated per query head there (:attr:`AttentionPlan.kernel_gqa`). NOTE: the CUDA bit identity rests on the same argument
-(blocks aligned at key 0, masked keys adding zeros) but has not been run on a GPU here; the
-packing proof (:mod:`disco.engines.packing_proof`) checks solo vs packed at engine start.
+repeated per query head there (:attr:`AttentionPlan.kernel_gqa`). The call is pinned to the
+memory-efficient kernel (:data:`ONE_CALL_CUDA`): on an H200 torch's own choice (cuDNN for some
+shapes) gave a query other bits packed than alone and inside a block than decoded; the pinned
+kernel gave none. The packing proof (:mod:`disco.engines.packing_proof`) checks solo vs packed
+at engine start, over the batch sizes, blocks and key granules the batcher issues.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -68,6 +71,16 @@ class AttentionPlan:
     compute_dtype: torch.dtype | None
     kernel_gqa: bool = True
     key_granule: int = KEY_GRANULE
+    backend: str | None = None
+
+    def kernel(self) -> contextlib.AbstractContextManager:
+        """The sdpa backend the one call is pinned to (``backend``: a ``SDPBackend`` name such as
+        ``"EFFICIENT_ATTENTION"``), or no constraint (``None``: torch's choice)."""
+        if self.backend is None:
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+
+        return sdpa_kernel([getattr(SDPBackend, self.backend)])
 
 
 def attention_plan(device: torch.device | str) -> AttentionPlan:
@@ -87,7 +100,7 @@ def attention_plan(device: torch.device | str) -> AttentionPlan:
     """
     if torch.device(device).type == "cpu":
         return REFERENCE_CPU
-    return AttentionPlan(one_call=True, compute_dtype=None, kernel_gqa=False)
+    return ONE_CALL_CUDA
 
 
 #: The per-query reference in float32 — a one-query attention in bf16 is ~6x slower on CPUs
@@ -95,6 +108,13 @@ def attention_plan(device: torch.device | str) -> AttentionPlan:
 REFERENCE_CPU = AttentionPlan(one_call=False, compute_dtype=torch.float32)
 #: The one call as a CPU runs it (tests, benchmarks; the flash CPU kernel takes GQA with a mask).
 ONE_CALL_CPU = AttentionPlan(one_call=True, compute_dtype=torch.float32, kernel_gqa=True)
+#: The one call on CUDA, pinned to the memory-efficient kernel: measured on an H200 (torch
+#: 2.11+cu130, bf16, 16 sessions of 1-21 queries over 30-700 keys, ``docs/analysis/cuda_exactness.py``),
+#: torch's own choice changed 3 of 16 sessions' bits when packed and every block's bits against
+#: its queries decoded alone, cuDNN 4/16 and 16, the math path 16/16 and 26; the memory-efficient
+#: kernel 0 and 0 (it walks a query's keys in fixed blocks whatever the batch, and masked blocks
+#: add exact zeros).
+ONE_CALL_CUDA = AttentionPlan(one_call=True, compute_dtype=None, kernel_gqa=False, backend="EFFICIENT_ATTENTION")
 
 
 @dataclass(frozen=True)
@@ -190,9 +210,10 @@ def one_call_attention(queries: torch.Tensor,  # [1, heads, num_queries, head_di
     rows = torch.cat([queries[0], queries.new_zeros(heads, 1, head_dim)], dim=1)  # [heads, queries + 1, dim]
     rows = rows.index_select(1, layout.query_gather).view(kv_heads, group, sessions, slots, head_dim)
     items = rows.permute(2, 0, 3, 1, 4).reshape(sessions, call_heads, 1, head_dim).to(dtype)
-    output = torch.nn.functional.scaled_dot_product_attention(
-        items, gathered(session_keys), gathered(session_values), attn_mask=layout.mask, scale=scaling,
-        enable_gqa=plan.kernel_gqa and call_heads != kv_heads)  # [sessions, call_heads, 1, head_dim]
+    with plan.kernel():
+        output = torch.nn.functional.scaled_dot_product_attention(
+            items, gathered(session_keys), gathered(session_values), attn_mask=layout.mask, scale=scaling,
+            enable_gqa=plan.kernel_gqa and call_heads != kv_heads)  # [sessions, call_heads, 1, head_dim]
     output = output.view(sessions, kv_heads, slots, group, head_dim).permute(1, 3, 0, 2, 4)
     output = output.reshape(heads, sessions * slots, head_dim).index_select(1, layout.query_rows)
     return output.transpose(0, 1).unsqueeze(0).to(queries.dtype)  # [1, num_queries, heads, head_dim]

@@ -20,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
 from disco.errors import ModelError, first_line
+from disco.models import hub_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ def convert_gguf(
             gguf_file=gguf_path.name,
             dtype=torch.bfloat16,
             quantization_config=GgufConfig(dequantize=True),
+            **hub_kernels.LOAD_KWARGS,
         )
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         if eos_token_ids:

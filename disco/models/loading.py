@@ -31,7 +31,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from disco.config import ModelConfig, PairConfig
 from disco.errors import ModelError, VocabularyMismatch, first_line
-from disco.models import quantize, row_stable
+from disco.models import hub_kernels, quantize, row_stable
 from disco.models.default_pair import ROLES, default_model, ensure_default_model
 from disco.models.gguf import SOURCE_FILE, convert_gguf, gguf_source
 from disco.models.gguf_blocks import checked_native_weights
@@ -114,6 +114,7 @@ def load_model(config: ModelConfig, role: str, home: Path, progress: bool = True
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     config.validate()
+    hub_kernels.keep_off()  # before any from_pretrained (entry points set it too)
     start = time.perf_counter()
     location, name, is_hub = resolve_location(config.spec, role, home, progress)
     logger.info("loading %s model %s from %s (%s, %s) ...", role, name, location, config.dtype, config.device)
@@ -127,12 +128,13 @@ def load_model(config: ModelConfig, role: str, home: Path, progress: bool = True
     except (RuntimeError, AssertionError) as error:
         raise ModelError(f"could not move {role} model {name} to {config.device}: {first_line(error)}") from error
     model.eval()
+    hub_kernels.check_model(model, name)
     kernel = ""
     if config.dtype == "int4" and config.device == "cpu":  # before the row plans: they probe the kernel
         if (choice := use_chosen_kernel(model, home)) is not None:
             logger.info("%s model %s: %s", role, name, choice.reason)
             kernel = choice.kernel
-    if config.dtype != "float32" and config.device == "cpu":
+    if config.dtype != "float32":  # the probe runs on the model's device (CUDA: one call shape)
         logger.info("%s model %s: %s", role, name, row_stable.stabilize(model))
     if config.dtype in quantize.QUANT_FORMATS and config.device == "cpu":
         logger.info("%s model %s: %s", role, name, choose_dense_dtype(model))
@@ -266,7 +268,7 @@ def _load_hf(location: str, dtype: torch.dtype, is_hub: bool, device: str = "cpu
     call is the plain one (no ``device_map``: nothing to move, and the same code path as ever)."""
     placement = {} if torch.device(device).type == "cpu" else {"device_map": device}
     try:
-        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **placement)
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **placement, **hub_kernels.LOAD_KWARGS)
         tokenizer = AutoTokenizer.from_pretrained(location)
     except Exception as error:  # noqa: BLE001 -- NOTE: loaders raise anything (hub, json, safetensors)
         if is_hub:

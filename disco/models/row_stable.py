@@ -14,12 +14,14 @@ What the CPU kernels do (torch 2.13.0+cpu, measured with :func:`probe_plan`'s in
   (out 32 x in 64: calls of 1-2 rows differ from 3 or more; out 16: 1-4 rows from 5 or more).
 - AVX2-only AMD EPYC: row-invariant in bf16 and int8 for the shapes measured.
 
-- CUDA (not run yet: no GPU was at hand): cuBLAS picks a GEMM kernel by the call's shape,
-  rows included, so a one-row call and a verification block may sum differently. The probe
-  is device-generic (it runs where the linear lives); :mod:`disco.models.loading` probes at
-  load on a CPU only, and on another device the engine's decoding proof
-  (:func:`disco.engines.packing_proof.exactness_for`) calls :func:`stabilize` where a
-  verified block differs from decoding.
+- CUDA: cuBLAS picks a GEMM kernel (tiles, split-K) by the call's shape, rows included, so a
+  row's bits depend on how many rows share its call (docs/engines.md, "Exactness on CUDA":
+  on an H200 the 1536x8960 down projection gives a row other bits from 129 rows on, so a
+  live batch of 16 sessions' blocks changed tokens while a one-session proof passed).
+  :data:`GPU_PLANS` cut calls to at most 128 (else 64) rows where the probe shows every row
+  keeps its one-row bits up to there, else pad every call to one fixed shape of
+  :data:`GPU_CALL_ROWS` rows. The probe runs where the linear lives (:mod:`disco.models.loading` at load, on every device;
+  :func:`disco.engines.packing_proof.exactness_for` for models built elsewhere).
 
 So every call of a low-precision linear follows one :class:`RowPlan`: calls of fewer than
 ``min_rows`` rows get zero rows added, calls of more than ``max_rows`` rows are cut into
@@ -84,8 +86,22 @@ class RowPlan:
         return f"calls of {self.min_rows}-{self.max_rows} rows"
 
 
-#: The plans the probe tries, in order: the largest calls first, then the fewest rows added.
+#: The plans the probe tries on a CPU, in order: the largest calls first, then the fewest rows added.
 PLANS = tuple(RowPlan(min_rows, max_rows) for max_rows in (32, 16, 8) for min_rows in (1, 2, 4, 8))
+#: The plans the probe tries on a GPU (module doc, "CUDA"): calls of at most 128 or 64 rows
+#: (on an H200 cuBLAS gave every row of the default target's linears its one-row bits up to
+#: 128 rows; the 1536x8960 down projection changed at 129), then one fixed call shape of
+#: :data:`GPU_CALL_ROWS` rows (every call padded to it: the same kernel for every row whatever
+#: cuBLAS does by row count; a padded one-row call costs a second launch, ~0.02 ms, there).
+GPU_CALL_ROWS = 64
+GPU_PLANS = (RowPlan(1, 128), RowPlan(1, GPU_CALL_ROWS), RowPlan(GPU_CALL_ROWS, GPU_CALL_ROWS))
+#: Every RMSNorm call on a GPU: one fixed shape (:class:`RowStableNorm`).
+GPU_NORM_PLAN = RowPlan(GPU_CALL_ROWS, GPU_CALL_ROWS)
+
+
+def plans_for(device: torch.device) -> tuple[RowPlan, ...]:
+    """The plans :func:`stabilize` tries for linears on ``device``."""
+    return PLANS if device.type == "cpu" else GPU_PLANS
 #: Distinct output channels of a probe's weight (tiled to the layer's width).
 PROBE_CHANNELS = 256
 
@@ -106,6 +122,30 @@ class RowStableLinear(nn.Linear):
 
     def _plain(self, rows: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(rows, self.weight, self.bias)
+
+
+class RowStableNorm(nn.Module):
+    """Mixed into a model's RMSNorm class on a GPU (:func:`stabilize_norms`): every call
+    runs in :data:`GPU_NORM_PLAN`'s fixed shape. The norm's float32 mean is a reduction kernel
+    whose launch layout torch picks by the tensor's shape, rows included; one shape for every
+    call keeps a row's bits whatever the batch (on an H200 the proof of a 16-session batch
+    found one session whose first differing op was an RMSNorm)."""
+
+    row_plan: RowPlan
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., hidden]
+        rows = hidden_states.reshape(-1, hidden_states.shape[-1])
+        out = self.row_plan.run(rows, super().forward)
+        return out.reshape(hidden_states.shape)
+
+
+_NORM_CLASSES: dict[type, type] = {}
+
+
+def _row_stable_norm_class(cls: type) -> type:
+    if cls not in _NORM_CLASSES:
+        _NORM_CLASSES[cls] = type(f"RowStable{cls.__name__}", (RowStableNorm, cls), {})
+    return _NORM_CLASSES[cls]
 
 
 def cancelling_inputs(rows: int, out_features: int, in_features: int, dtype: torch.dtype,
@@ -139,23 +179,26 @@ def plan_holds(call: RowCall, inputs: torch.Tensor, plan: RowPlan) -> bool:
                for count in range(2, plan.max_rows + 1))
 
 
-def probe_plan(call: RowCall, inputs: torch.Tensor) -> RowPlan | None:
-    """The first plan of :data:`PLANS` that holds for ``call`` (``None``: none does)."""
+def probe_plan(call: RowCall, inputs: torch.Tensor, plans: tuple[RowPlan, ...] = PLANS) -> RowPlan | None:
+    """The first of ``plans`` that holds for ``call`` (``None``: none does)."""
     with torch.inference_mode():
-        return next((plan for plan in PLANS if plan_holds(call, inputs, plan)), None)
+        return next((plan for plan in plans if plan_holds(call, inputs, plan)), None)
 
 
-def _probe_call(module: nn.Module) -> tuple[RowCall, torch.Tensor]:
-    """A call of the module's kind and shape on :func:`cancelling_inputs`, and the inputs."""
+def _device(module: nn.Module) -> torch.device:
+    return next(module.buffers()).device if isinstance(module, WeightOnlyLinear) else module.weight.device
+
+
+def _probe_call(module: nn.Module, rows: int) -> tuple[RowCall, torch.Tensor]:
+    """A call of the module's kind and shape on ``rows`` :func:`cancelling_inputs`, and the inputs."""
     if isinstance(module, WeightOnlyLinear):
         dtype = module.compute_dtype
-        inputs, weight, bias = cancelling_inputs(PLANS[0].max_rows, module.out_features, module.in_features,
-                                                 dtype)
+        inputs, weight, bias = cancelling_inputs(rows, module.out_features, module.in_features, dtype)
         probe = module.probe_twin(weight, bias if module.bias is not None else None)
         device = next(module.buffers()).device
         return probe.to(device)._quantized, inputs.to(dtype=dtype, device=device)
     dtype, device = module.weight.dtype, module.weight.device
-    inputs, weight, bias = cancelling_inputs(PLANS[0].max_rows, module.out_features, module.in_features, dtype)
+    inputs, weight, bias = cancelling_inputs(rows, module.out_features, module.in_features, dtype)
     weight, bias = weight.to(dtype=dtype, device=device), bias.to(dtype=dtype, device=device)
     has_bias = module.bias is not None
     return (lambda rows: nn.functional.linear(rows, weight, bias if has_bias else None)), inputs.to(dtype=dtype,
@@ -169,14 +212,34 @@ def _stabilizable(module: nn.Module) -> bool:
     return type(module) is nn.Linear and module.weight.dtype in (torch.bfloat16, torch.float16)
 
 
+def _gpu_norm(module: nn.Module) -> bool:
+    """An RMSNorm of a low-precision model on a GPU, not yet row-stable."""
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__.endswith("RMSNorm") and not isinstance(module, RowStableNorm)
+            and isinstance(weight, torch.Tensor) and weight.device.type != "cpu"
+            and weight.dtype in (torch.bfloat16, torch.float16))
+
+
 def needs_plans(model: nn.Module) -> bool:
-    """Whether the model has low-precision linears :func:`stabilize` has not given a plan."""
-    return any(_stabilizable(module) for module in model.modules())
+    """Whether the model has low-precision linears (or GPU norms) :func:`stabilize` has not given a plan."""
+    return any(_stabilizable(module) or _gpu_norm(module) for module in model.modules())
+
+
+def stabilize_norms(model: nn.Module) -> int:
+    """Give the RMSNorms of a low-precision model on a GPU :data:`GPU_NORM_PLAN` (class swap,
+    no copy); returns how many. A CPU model's norms are left as they are (the CPU's proofs
+    cover them)."""
+    norms = [module for module in model.modules() if _gpu_norm(module)]
+    for module in norms:
+        module.__class__ = _row_stable_norm_class(type(module))
+        module.row_plan = GPU_NORM_PLAN
+    return len(norms)
 
 
 def _shape_key(module: nn.Module) -> tuple:
     dtype = module.compute_dtype if isinstance(module, WeightOnlyLinear) else module.weight.dtype
-    return type(module).__name__, module.out_features, module.in_features, dtype, module.bias is not None
+    return (type(module).__name__, module.out_features, module.in_features, dtype, module.bias is not None,
+            _device(module).type)
 
 
 def stabilize(model: nn.Module) -> str:
@@ -192,12 +255,19 @@ def stabilize(model: nn.Module) -> str:
 
 
 def _stabilize(model: nn.Module) -> str:
+    norms = stabilize_norms(model)
+    line = _stabilize_linears(model)
+    return f"{line}; norms in calls of {GPU_NORM_PLAN.describe().split(' ', 2)[-1]}" if norms else line
+
+
+def _stabilize_linears(model: nn.Module) -> str:
     linears = [module for module in model.modules() if _stabilizable(module)]
     plans: dict[tuple, RowPlan | None] = {}
     for module in linears:
         key = _shape_key(module)
         if key not in plans:
-            plans[key] = probe_plan(*_probe_call(module))
+            candidates = plans_for(_device(module))
+            plans[key] = probe_plan(*_probe_call(module, max(plan.max_rows for plan in candidates)), candidates)
             logger.debug("row plan of %s: %s", key, plans[key])
     if not plans:
         return "no low-precision linears"
