@@ -8,7 +8,7 @@
 #   C  disco models calibrate on CUDA (target forward over 1..13 new tokens, draft per token) (120 s)
 #   D  disco bench-concurrency none / static:3 at 1, 8, 32 sessions over gRPC               (180 s)
 #   E  docs/analysis/cuda_exactness.py (where a row gets other bits: linears, attention)    (200 s)
-# STEPS=ABCD (the default) selects steps; A-D take about 6-7 minutes on an H200.
+# STEPS=ABCD (the default) selects steps; A-D take about 6-7 minutes on an H200. E_PARTS picks E's parts.
 # Without a CUDA device it stops at once with exit code 2 and says why.
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
@@ -57,5 +57,6 @@ if step D; then
 fi
 if step E; then
   echo "== E exactness analysis"; timeout 200 python3 docs/analysis/cuda_exactness.py --out "$OUT/E_cuda_exactness.json" \
+    --parts "${E_PARTS:-linears,linear_ms,attention,model}" \
     > "$OUT/E_cuda_exactness.log" 2>&1; echo "rc=$?"; grep -v "^ " "$OUT/E_cuda_exactness.log" | tail -5
 fi

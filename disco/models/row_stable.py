@@ -189,7 +189,7 @@ def _device(module: nn.Module) -> torch.device:
     return next(module.buffers()).device if isinstance(module, WeightOnlyLinear) else module.weight.device
 
 
-def _probe_call(module: nn.Module, rows: int) -> tuple[RowCall, torch.Tensor]:
+def _probe_call(module: nn.Module, rows: int = PLANS[0].max_rows) -> tuple[RowCall, torch.Tensor]:
     """A call of the module's kind and shape on ``rows`` :func:`cancelling_inputs`, and the inputs."""
     if isinstance(module, WeightOnlyLinear):
         dtype = module.compute_dtype
