@@ -161,11 +161,31 @@ def test_gpu_plans_cut_calls_where_the_kernel_holds_else_pad_to_one_shape():
     assert fixed == row_stable.RowPlan(row_stable.GPU_CALL_ROWS, row_stable.GPU_CALL_ROWS)
 
 
-def test_the_cuda_attention_plan_pins_the_memory_efficient_kernel():
-    assert attention_plan("cuda:0") == ONE_CALL_CUDA and ONE_CALL_CUDA.backend == "EFFICIENT_ATTENTION"
-    assert attention_plan("cpu").backend is None
-    with ONE_CALL_CUDA.kernel():  # a real context on any build (the CPU ignores CUDA backends)
-        pass
+def test_the_cuda_attention_plan_calls_the_memory_efficient_kernel_without_global_flags(monkeypatch):
+    """The CUDA plan calls the memory-efficient kernel itself, with sdpa's additive bias for the
+    boolean mask; it never sets torch's process-wide backend flags (another thread's attention
+    would run under them: on the H200 it found no kernel)."""
+    assert attention_plan("cuda:0") == ONE_CALL_CUDA and ONE_CALL_CUDA.memory_efficient
+    assert not attention_plan("cpu").memory_efficient
+    calls = []
+
+    def efficient(query, key, value, bias, log_sumexp, dropout, causal, scale):
+        calls.append((bias, log_sumexp, dropout, causal, scale))
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scale), None
+
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", efficient)
+    flags = torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled()
+    generator = torch.Generator().manual_seed(0)
+    items, keys, values = (torch.randn(2, 4, n, 8, generator=generator) for n in (1, 64, 64))
+    mask = torch.rand(2, 4, 1, 64, generator=generator) > 0.5
+    mask[..., 0] = True
+    got = ONE_CALL_CUDA.attend(items, keys, values, mask, 0.3, False)
+    expected = torch.nn.functional.scaled_dot_product_attention(items, keys, values, attn_mask=mask, scale=0.3)
+    torch.testing.assert_close(got, expected)
+    bias, log_sumexp, dropout, causal, scale = calls[0]
+    assert bias.dtype == items.dtype and torch.equal(bias == 0, mask) and torch.isinf(bias[~mask]).all()
+    assert (log_sumexp, dropout, causal, scale) == (False, 0.0, False, 0.3)
+    assert (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled()) == flags
 
 
 def test_a_row_stable_norm_computes_what_the_norm_computes_in_fixed_shape_calls(target_model):

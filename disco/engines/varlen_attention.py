@@ -44,7 +44,6 @@ at engine start, over the batch sizes, blocks and key granules the batcher issue
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -71,16 +70,27 @@ class AttentionPlan:
     compute_dtype: torch.dtype | None
     kernel_gqa: bool = True
     key_granule: int = KEY_GRANULE
-    backend: str | None = None
+    memory_efficient: bool = False
 
-    def kernel(self) -> contextlib.AbstractContextManager:
-        """The sdpa backend the one call is pinned to (``backend``: a ``SDPBackend`` name such as
-        ``"EFFICIENT_ATTENTION"``), or no constraint (``None``: torch's choice)."""
-        if self.backend is None:
-            return contextlib.nullcontext()
-        from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+    def attend(self, items: torch.Tensor,  # [sessions, call_heads, 1, head_dim]
+               keys: torch.Tensor, values: torch.Tensor,  # [sessions, call or kv heads, padded_keys, head_dim]
+               mask: torch.Tensor,  # [sessions, call_heads, 1, padded_keys], bool: True where a query attends
+               scale: float, enable_gqa: bool) -> torch.Tensor:
+        """One attention call: torch's sdpa (its own kernel choice), or, with ``memory_efficient``,
+        the memory-efficient kernel called directly (what sdpa runs when that backend is chosen:
+        the boolean mask turned into an additive bias of 0 / -inf in the queries' dtype).
 
-        return sdpa_kernel([getattr(SDPBackend, self.backend)])
+        NOTE: called directly, not through ``torch.nn.attention.sdpa_kernel``: that context sets
+        process-wide backend flags, so another thread's attention (the other model's prefill) ran
+        under them on the H200 and found no kernel ("No available kernel. Aborting execution.")."""
+        if not self.memory_efficient:
+            return torch.nn.functional.scaled_dot_product_attention(items, keys, values, attn_mask=mask, scale=scale,
+                                                                    enable_gqa=enable_gqa)
+        zero = torch.zeros((), dtype=items.dtype, device=items.device)
+        bias = torch.where(mask, zero, torch.full_like(zero, float("-inf")))  # as sdpa converts a boolean mask
+        output, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(items, keys, values, bias, False, 0.0,
+                                                                            False, scale=scale)
+        return output
 
 
 def attention_plan(device: torch.device | str) -> AttentionPlan:
@@ -114,7 +124,7 @@ ONE_CALL_CPU = AttentionPlan(one_call=True, compute_dtype=torch.float32, kernel_
 #: its queries decoded alone, cuDNN 4/16 and 16, the math path 16/16 and 26; the memory-efficient
 #: kernel 0 and 0 (it walks a query's keys in fixed blocks whatever the batch, and masked blocks
 #: add exact zeros).
-ONE_CALL_CUDA = AttentionPlan(one_call=True, compute_dtype=None, kernel_gqa=False, backend="EFFICIENT_ATTENTION")
+ONE_CALL_CUDA = AttentionPlan(one_call=True, compute_dtype=None, kernel_gqa=False, memory_efficient=True)
 
 
 @dataclass(frozen=True)
@@ -210,10 +220,8 @@ def one_call_attention(queries: torch.Tensor,  # [1, heads, num_queries, head_di
     rows = torch.cat([queries[0], queries.new_zeros(heads, 1, head_dim)], dim=1)  # [heads, queries + 1, dim]
     rows = rows.index_select(1, layout.query_gather).view(kv_heads, group, sessions, slots, head_dim)
     items = rows.permute(2, 0, 3, 1, 4).reshape(sessions, call_heads, 1, head_dim).to(dtype)
-    with plan.kernel():
-        output = torch.nn.functional.scaled_dot_product_attention(
-            items, gathered(session_keys), gathered(session_values), attn_mask=layout.mask, scale=scaling,
-            enable_gqa=plan.kernel_gqa and call_heads != kv_heads)  # [sessions, call_heads, 1, head_dim]
+    output = plan.attend(items, gathered(session_keys), gathered(session_values), layout.mask, scaling,
+                         plan.kernel_gqa and call_heads != kv_heads)  # [sessions, call_heads, 1, head_dim]
     output = output.view(sessions, kv_heads, slots, group, head_dim).permute(1, 3, 0, 2, 4)
     output = output.reshape(heads, sessions * slots, head_dim).index_select(1, layout.query_rows)
     return output.transpose(0, 1).unsqueeze(0).to(queries.dtype)  # [1, num_queries, heads, head_dim]

@@ -14,7 +14,9 @@ Parts, each printed as it finishes and written to the JSON:
 2. ``linear_ms``: one call at 1 / 64 / 128 rows (CUDA events, median of 50).
 3. ``attention``: the packed forward's one-call attention
    (:func:`disco.engines.varlen_attention.one_call_attention`): 16 sessions of 1-21 queries
-   over 30-700 keys, alone vs packed, per sdpa backend.
+   over 30-700 keys, alone vs packed, and each block's queries decoded one by one: the
+   engine's plan, then sdpa under each backend (``sdpa_kernel``: process-wide flags, fine in
+   this one-threaded script, never in the engines).
 4. ``model``: the target in ``--dtype`` without row plans, then with the GPU's
    (:func:`disco.models.row_stable.stabilize`: linears and norms; the one-call attention is
    the engine's, :data:`disco.engines.varlen_attention.ONE_CALL_CUDA`): the decoding proof, the packing proof over
@@ -25,6 +27,7 @@ Parts, each printed as it finishes and written to the JSON:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -108,10 +111,12 @@ def attention_backends(dtype: torch.dtype) -> dict:
     states = [(torch.randn(1, kv_heads, k, head_dim, generator=generator).to(dtype=dtype, device="cuda"),
                torch.randn(1, kv_heads, k, head_dim, generator=generator).to(dtype=dtype, device="cuda")) for k in keys]
     rows = [torch.randn(1, heads, q, head_dim, generator=generator).to(dtype=dtype, device="cuda") for q in queries]
-    plan = attention_plan("cuda")
+    engine_plan = attention_plan("cuda")  # the engine's: the memory-efficient kernel, called directly
+    sdpa_plan = dataclasses.replace(engine_plan, memory_efficient=False)  # sdpa, under each backend below
     result = {}
-    for label, backends in (("default", None), ("efficient", [SDPBackend.EFFICIENT_ATTENTION]),
+    for label, backends in (("engine", None), ("sdpa default", None), ("efficient", [SDPBackend.EFFICIENT_ATTENTION]),
                             ("math", [SDPBackend.MATH]), ("cudnn", [SDPBackend.CUDNN_ATTENTION])):
+        plan = engine_plan if label == "engine" else sdpa_plan
         try:
             context = sdpa_kernel(backends) if backends else torch.inference_mode()
             with context, torch.inference_mode():
