@@ -39,6 +39,23 @@ def test_bench_end_to_end(tiny_pair_dirs, tiny_dataset, tmp_path, capsys):
     assert "| policy |" in capsys.readouterr().out
 
 
+def test_bench_over_grpc_keeps_the_hf_peer_row_and_names_its_baseline(tiny_pair_dirs, tiny_dataset, tmp_path,
+                                                                       capsys):
+    """``--transport grpc --peer hf`` once printed and wrote no hf-assisted row (its baseline was
+    the in-process none, which did not run): the row is there, compared with our gRPC none."""
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--target", str(tiny_pair_dirs["target"]), "--draft", str(tiny_pair_dirs["draft"]),
+                 "--dtype", "float32", "--dataset", str(tiny_dataset), "--max-new-tokens", "8", "--limit", "1",
+                 "--policies", "none", "--transport", "grpc", "--peer", "hf", "--json-out", str(out)])
+    assert code == 0
+    rows = {(r["policy"], r["transport"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {("none", "grpc"), ("hf-assisted", "local")}
+    assert rows[("hf-assisted", "local")]["baseline_transport"] == "grpc"
+    assert rows[("hf-assisted", "local")]["speedup"] > 0
+    captured = capsys.readouterr()
+    assert "hf-assisted" in captured.out and "its speedup is against our none over grpc" in captured.err
+
+
 def test_bench_transport_reports_overhead_and_transport_time(tiny_pair_dirs, capsys):
     code = main(["bench-transport", "--target", str(tiny_pair_dirs["target"]), "--draft", str(tiny_pair_dirs["draft"]),
                  "--dtype", "float32", "--limit", "2", "--repeats", "1", "--max-new-tokens", "10", "--json"])

@@ -111,7 +111,8 @@ def summarize(run: BenchRun) -> list[dict]:
         by_cell.setdefault((m.policy, m.transport), {})[(m.repeat, m.prompt_index)] = m.outcome
     rows = []
     for (policy, transport), outcomes in by_cell.items():
-        baseline = by_cell.get(("none", transport if policy != HF_PEER else "local"), {})
+        baseline_transport = transport if policy != HF_PEER else peer_baseline_transport(by_cell)
+        baseline = by_cell.get(("none", baseline_transport), {})
         keys = sorted(set(outcomes) & set(baseline))
         if not keys:
             continue
@@ -132,7 +133,8 @@ def summarize(run: BenchRun) -> list[dict]:
         decode_rate = _decode_rate(stats)
         base_decode_rate = _decode_rate([baseline[k].stats for k in prompt_keys if baseline[k].stats])
         rows.append({
-            "policy": policy, "transport": transport, "prompts": len(prompt_keys), "repeats": len(repeats),
+            "policy": policy, "transport": transport, "baseline_transport": baseline_transport,
+            "prompts": len(prompt_keys), "repeats": len(repeats),
             "tokens_per_s": statistics.median(rates), "tokens_per_s_min": min(rates),
             "tokens_per_s_max": max(rates), "speedup": statistics.median(speedups),
             "speedup_min": min(speedups), "speedup_max": max(speedups),
@@ -152,6 +154,14 @@ def summarize(run: BenchRun) -> list[dict]:
             "predrafted_wasted": sum(s.get("predrafted_wasted", 0) for s in stats) / len(stats) if stats else None,
         })
     return rows
+
+
+def peer_baseline_transport(by_cell: dict[tuple[str, str], dict]) -> str:
+    """The ``none`` row the HF peer (in process) is compared with: our in-process ``none``
+    where it ran, else our ``none`` over the one transport that ran (``--transport grpc``:
+    then the ratio includes our gRPC hops, and the row says so in ``baseline_transport``)."""
+    transports = [transport for policy, transport in by_cell if policy == "none"]
+    return "local" if "local" in transports or not transports else transports[0]
 
 
 def _overlap_hit_rate(stats: Sequence[dict]) -> float | None:

@@ -142,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
             started.stop()
 
     rows = runner.summarize(result)
+    if args.peer == "hf":
+        _say_hf_baseline(rows)
     llamacpp_env = None
     if llamacpp_settings is not None and not result.interrupted:
         llamacpp_rows, llamacpp_env = _run_llamacpp(llamacpp_settings, dataset, tokenizer, prompts, args.repeats,
@@ -166,6 +168,19 @@ def run(args: argparse.Namespace) -> int:
         print("interrupted: the table covers the prompts completed by every row", file=sys.stderr)
         return 130
     return 0
+
+
+def _say_hf_baseline(rows: list[dict]) -> None:
+    """The hf-assisted row runs in this process; say which of our rows it is compared with,
+    and never let an asked-for row vanish without a word."""
+    from disco_cli.bench.runner import HF_PEER  # noqa: PLC0415
+
+    row = next((r for r in rows if r["policy"] == HF_PEER), None)
+    if row is None:
+        print(f"--peer hf: no {HF_PEER} row (no prompt completed both it and our none row)", file=sys.stderr)
+    elif row["baseline_transport"] != "local":
+        print(f"--peer hf: {HF_PEER} runs in process; its speedup is against our none over "
+              f"{row['baseline_transport']} (add --transport both for an in-process none)", file=sys.stderr)
 
 
 def _llamacpp_settings(args: argparse.Namespace, pair, home: Path):

@@ -69,10 +69,8 @@ def run(args: argparse.Namespace) -> int:
                 baseline = client.generate(args.prompt, policy=args.baseline, **request)
                 base_stats = RequestStats.from_dict(baseline.stats)
                 print(f"[{args.baseline} | {engine}] {base_stats.summary_line()}", file=sys.stderr)
-                same = baseline.token_ids == result.token_ids
-                speedup = stats.tokens_per_s / base_stats.tokens_per_s if base_stats.tokens_per_s else 0.0
-                print(f"tokens identical to {args.baseline}: {'yes' if same else 'NO'}; "
-                      f"speedup {speedup:.2f}x ({stats.tokens_per_s:.2f} vs {base_stats.tokens_per_s:.2f} tok/s)",
+                print(comparison_line(args.policy, args.baseline, stats, base_stats,
+                                      baseline.token_ids == result.token_ids, costs_text(client.info()["models"])),
                       file=sys.stderr)
     except DiscoRpcError as error:
         print(f"{error.code().name}: {error.details()}", file=sys.stderr)
@@ -80,3 +78,30 @@ def run(args: argparse.Namespace) -> int:
     finally:
         services.stop()
     return 0
+
+
+def comparison_line(policy: str, baseline: str, stats: RequestStats, base_stats: RequestStats, same: bool,
+                    costs: str) -> str:
+    """The demo's last line: identical or not, and the speedup, except where the policy drafted
+    nothing (``auto`` where the costs say speculation cannot pay): then both runs were
+    target-only, and their ratio is noise, not a speedup; the line says so, and why."""
+    identical = f"tokens identical to {baseline}: {'yes' if same else 'NO'}"
+    rates = f"{stats.tokens_per_s:.2f} vs {base_stats.tokens_per_s:.2f} tok/s"
+    if stats.draft_forwards == 0 and policy != baseline:
+        return (f"{identical}; {policy} drafted nothing: it ran target-only, as {baseline} did ({costs}), so there "
+                f"is no speedup to report ({rates} is the spread between two target-only runs)")
+    speedup = stats.tokens_per_s / base_stats.tokens_per_s if base_stats.tokens_per_s else 0.0
+    return f"{identical}; speedup {speedup:.2f}x ({rates})"
+
+
+def costs_text(models: dict) -> str:
+    """The measured engine costs the services report (``Info.forward_s``), in one phrase: what
+    ``auto`` decides with (the orchestrator corrects them by the live costs under load)."""
+    target = (models.get("target") or {}).get("forward_s") or []
+    draft = (models.get("draft") or {}).get("forward_s") or []
+    if not target or not draft:
+        return "the services reported no measured costs"
+    longest = min(len(target), 5)
+    ratio = f", {draft[0] / target[0]:.2f} of a one-token target forward" if target[0] > 0 else ""
+    return (f"the costs auto decided with: target {target[0] * 1e3:.1f} ms for 1 new token, "
+            f"{target[longest - 1] * 1e3:.1f} ms for {longest}; draft {draft[0] * 1e3:.1f} ms per token{ratio}")
