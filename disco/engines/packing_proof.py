@@ -3,18 +3,24 @@
 Cross-session batching (:mod:`disco.engines.batching`) is exact only if every session gets from a
 packed forward exactly the logits its own forward gives. That rests on kernel properties
 that differ between CPUs (:mod:`disco.models.row_stable`: the linears' calls are cut into row
-counts proven at load). :func:`prove_packing` checks the whole forward once, at engine
-start: ``sessions`` synthetic sessions (the largest packed batch) with blocks of 1 to
-:data:`MAX_BLOCK` tokens, each fed alone and then all in one packed forward, must give the
-same logits bit for bit. Where they do not, the engine runs forwards one by one (slower
-under load, still exact) and says so (log, ``Info.batching``, ``/metrics``).
+counts proven at load; on a GPU also the norms and the attention kernel). :func:`prove_packing`
+checks the whole forward once, at engine start, on the compositions a batcher issues: synthetic
+sessions (:class:`SyntheticSession`) whose caches spread over :data:`KEY_GRANULES` 64-key
+granules (seeded random keys and values written straight into the cache: no prefill forward),
+with blocks of 1 to :data:`MAX_BLOCK` tokens (a verification of the default max lookahead plus
+the bonus) and two prefills (:data:`PREFILL_BLOCKS`), each fed alone and then in packed
+batches of every size from 2 to the batcher's maximum (on a CPU :data:`CPU_BATCH_SIZES` and the
+maximum: :func:`batch_sizes`); every session's logits (a prefill's new cache entries) must be
+the same bit for bit. Where they are not, the engine runs forwards one by one (slower under
+load, still exact) and says so (log, ``Info.batching``, ``/metrics``).
 
-Sessions start from one token (nothing to prefill), so the check costs one forward per
-session plus one packed forward (about 4 s for the 1.5B bf16 target on a 2-core CPU, if
-nothing else runs: next to another service's model load it took 20-55 s). So the verdict
-is kept per model (:func:`verdict_for`): a service proves it while it holds the machine's
-measurement lock at load (``disco target-server``, ``disco draft-server``), and its
-batcher reuses it.
+Why so many compositions: on an H200 the earlier proof (16 sessions of 1-5 tokens over
+one-token caches, one packed forward of 46 rows) passed while 8 live sessions got other tokens:
+cuBLAS changes a row's bits from 129 rows on, and the attention kernel's choice depended on the
+batch and the keys (docs/engines.md, "Exactness on CUDA"). It takes 4-9 s per model on the H200;
+on a 2-core CPU about what 20 forwards of the model cost. So the verdict is kept per model
+(:func:`verdict_for`): a service proves it while it holds the machine's measurement lock at
+load (``disco target-server``, ``disco draft-server``), and its batcher reuses it.
 Float32 models are not checked: their batched rows differ from solo rows by ~1e-6 on some
 CPUs (float32 GEMMs are not row-invariant there), far below a flip, and the float32
 exactness tests cover them.
