@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from disco.config import ModelConfig
 from disco.engines import packing_proof
-from disco.engines.packing_proof import MAX_BLOCK, PREFILL_BLOCKS, batch_sizes, prove_packing, synthetic_sessions
+from disco.engines.packing_proof import (CPU_PROOF, GPU_PROOF, batch_sizes, proof_shape, prove_packing,
+                                         synthetic_sessions)
 from disco.engines.varlen_attention import KEY_GRANULE, ONE_CALL_CUDA, attention_plan
 from disco.errors import ModelError
 from disco.models import hub_kernels, row_stable
@@ -68,22 +69,32 @@ def test_the_cli_sets_the_switch_before_any_command(monkeypatch, capsys):
 
 # --- the packing proof runs what live batches run ------------------------------------------
 
-def test_the_synthetic_sessions_cover_blocks_granules_and_prefills(target_model):
-    specs = synthetic_sessions(target_model, 16 + len(PREFILL_BLOCKS))
+@pytest.mark.parametrize("shape", [GPU_PROOF, CPU_PROOF], ids=["gpu", "cpu"])
+def test_the_synthetic_sessions_cover_blocks_granules_and_prefills(target_model, shape):
+    specs = synthetic_sessions(target_model, 16 + len(shape.prefill_blocks), shape=shape)
     blocks = {len(spec.block) for spec in specs if spec.num_logits}
-    assert min(blocks) == 1 and max(blocks) == MAX_BLOCK and len(blocks) >= 10
+    assert blocks == set(range(1, shape.max_block + 1)) or (min(blocks) == 1 and max(blocks) == shape.max_block
+                                                             and len(blocks) >= 10)
     assert {spec.cache_len // KEY_GRANULE for spec in specs} >= {0, 1, 2, 3}
     assert any(spec.cache_len % KEY_GRANULE == 0 and spec.cache_len for spec in specs)  # a granule's edge
-    assert sorted(len(spec.block) for spec in specs if spec.num_logits == 0) == sorted(PREFILL_BLOCKS)
+    assert sorted(len(spec.block) for spec in specs if spec.num_logits == 0) == sorted(shape.prefill_blocks)
     sequence = specs[3].build(target_model)
     again = specs[3].build(target_model)
     assert sequence.cache_len == specs[3].cache_len
     assert torch.equal(sequence.cache.layers[0].keys, again.cache.layers[0].keys)  # seeded: same bits
 
 
+def test_the_gpu_proof_feeds_verifications_of_the_max_lookahead_and_a_long_prefill():
+    from disco.config import DEFAULT_MAX_LOOKAHEAD
+    from disco.models.weight_only import DENSE_MIN_ROWS
+
+    assert GPU_PROOF.max_block == DEFAULT_MAX_LOOKAHEAD + 1 and max(GPU_PROOF.prefill_blocks) >= DENSE_MIN_ROWS
+    assert proof_shape(torch.device("cuda")) is GPU_PROOF and proof_shape(torch.device("cpu")) is CPU_PROOF
+
+
 def test_batch_sizes_every_size_on_a_gpu_a_few_on_a_cpu():
     assert batch_sizes(torch.device("cuda"), 16) == tuple(range(2, 17))
-    assert batch_sizes(torch.device("cpu"), 16) == (2, 5, 16)
+    assert batch_sizes(torch.device("cpu"), 16) == (2, 16)
     assert batch_sizes(torch.device("cpu"), 1) == ()
 
 
@@ -107,7 +118,7 @@ def test_the_proof_catches_what_only_a_live_batch_does(target_model):
     layer = model.model.layers[1].mlp
     layer.down_proj = _LargeCallDependent(layer.down_proj)
     assert packing_proof.prove_decoding(model).proven  # decoding blocks stay under 64 rows
-    verdict = prove_packing(model, 16)
+    verdict = prove_packing(model, 16, sizes=range(2, 17), shape=GPU_PROOF)  # the GPU's proof, run here
     assert not verdict.packed and "sessions" in verdict.detail and "changed" in verdict.detail
 
 
@@ -138,7 +149,7 @@ def test_the_proof_feeds_caches_across_key_granules(target_model, monkeypatch):
         return original(sequences, num_logits, want_hidden)
 
     monkeypatch.setattr(packing_proof.CachedSequence, "forward_batch", staticmethod(forward_batch))
-    assert not prove_packing(model, 8).packed
+    assert not prove_packing(model, 8).packed  # the CPU's proof too
 
 
 # --- the GPU's row plans and attention kernel ------------------------------------------------

@@ -7,18 +7,17 @@ counts proven at load; on a GPU also the norms and the attention kernel). :func:
 checks the whole forward once, at engine start, on the compositions a batcher issues: synthetic
 sessions (:class:`SyntheticSession`) whose caches spread over :data:`KEY_GRANULES` 64-key
 granules (seeded random keys and values written straight into the cache: no prefill forward),
-with blocks of 1 to :data:`MAX_BLOCK` tokens (a verification of the default max lookahead plus
-the bonus) and two prefills (:data:`PREFILL_BLOCKS`), each fed alone and then in packed
-batches of every size from 2 to the batcher's maximum (on a CPU :data:`CPU_BATCH_SIZES` and the
-maximum: :func:`batch_sizes`); every session's logits (a prefill's new cache entries) must be
+with blocks of 1 to 21 tokens (a verification of the default max lookahead plus the bonus) and
+two prefills, each fed alone and then in packed batches of every size from 2 to the batcher's
+maximum (:data:`GPU_PROOF`; on a CPU a lighter :data:`CPU_PROOF`); every session's logits (a prefill's new cache entries) must be
 the same bit for bit. Where they are not, the engine runs forwards one by one (slower under
 load, still exact) and says so (log, ``Info.batching``, ``/metrics``).
 
 Why so many compositions: on an H200 the earlier proof (16 sessions of 1-5 tokens over
 one-token caches, one packed forward of 46 rows) passed while 8 live sessions got other tokens:
 cuBLAS changes a row's bits from 129 rows on, and the attention kernel's choice depended on the
-batch and the keys (docs/engines.md, "Exactness on CUDA"). It takes 4-9 s per model on the H200;
-on a 2-core CPU about what 20 forwards of the model cost. So the verdict is kept per model
+batch and the keys (docs/engines.md, "Exactness on CUDA"). It takes 4-9 s per model on the H200.
+So the verdict is kept per model
 (:func:`verdict_for`): a service proves it while it holds the machine's measurement lock at
 load (``disco target-server``, ``disco draft-server``), and its batcher reuses it.
 Float32 models are not checked: their batched rows differ from solo rows by ~1e-6 on some
@@ -67,15 +66,44 @@ from disco.models.weight_only import DENSE_MIN_ROWS
 
 logger = logging.getLogger(__name__)
 
-#: Longest block of a synthetic session: a verification of the default max lookahead + the bonus.
-MAX_BLOCK = DEFAULT_MAX_LOOKAHEAD + 1
-#: Prefills among the synthetic sessions: one long enough to be multiplied on its own
-#: (:data:`~disco.models.weight_only.DENSE_MIN_ROWS`), one whose rows share calls with others.
-PREFILL_BLOCKS = (DENSE_MIN_ROWS + 3, 7)
 #: The synthetic sessions' caches spread over this many 64-key granules of the one-call attention.
 KEY_GRANULES = 4
-#: Packed batch sizes proven on a CPU (plus the batcher's maximum): :func:`batch_sizes`.
-CPU_BATCH_SIZES = (2, 5)
+
+
+@dataclass(frozen=True)
+class ProofShape:
+    """What the packing proof feeds on a kind of device.
+
+    Attributes:
+        max_block: longest block of a synthetic session.
+        prefill_blocks: the prompts of the synthetic prefills.
+        cpu_sizes: on a CPU, the packed batch sizes proven besides the batcher's maximum
+            (``None``: every size from 2, as on a GPU).
+        block_stride: session ``i`` feeds ``1 + (i * block_stride) % max_block`` tokens (prime
+            to ``max_block``, so the sessions cycle through every block length).
+    """
+
+    max_block: int
+    prefill_blocks: tuple[int, ...]
+    cpu_sizes: tuple[int, ...] | None = None
+    block_stride: int = 5
+
+
+#: On a GPU (forwards of milliseconds): blocks up to a verification of the default max lookahead
+#: plus the bonus, a prefill long enough to be multiplied on its own
+#: (:data:`~disco.models.weight_only.DENSE_MIN_ROWS`) and one whose rows share calls with others,
+#: every batch size.
+GPU_PROOF = ProofShape(max_block=DEFAULT_MAX_LOOKAHEAD + 1, prefill_blocks=(DENSE_MIN_ROWS + 3, 7))
+#: On a CPU, where each row of the 1.5B target costs 5-150 ms: the GPU's proof took 114 s for the
+#: bf16 target on the 2-core AVX2 EPYC. Blocks of 1-5, one short prefill, batches of 2 and the
+#: maximum: about the rows of the earlier proof (the row plans were probed for every call size of
+#: 1-32 rows at load, the CPU attends one query at a time, and long prefill spans are multiplied
+#: on their own by construction).
+CPU_PROOF = ProofShape(max_block=5, prefill_blocks=(7,), cpu_sizes=(2,), block_stride=2)
+
+
+def proof_shape(device: torch.device) -> ProofShape:
+    return CPU_PROOF if device.type == "cpu" else GPU_PROOF
 #: Blocks the decoding proof verifies at once, each against the same tokens decoded one at a
 #: time (the longest: a verification of the default max lookahead plus the bonus).
 PROOF_BLOCKS = (2, 5, 9, DEFAULT_MAX_LOOKAHEAD + 1)
@@ -187,27 +215,28 @@ def verdict_for(model: torch.nn.Module, sessions: int) -> PackingVerdict:
 
 def batch_sizes(device: torch.device, sessions: int) -> tuple[int, ...]:
     """The packed batch sizes the proof runs for a batcher of ``sessions``: every size from 2 on a
-    GPU (a forward costs milliseconds there); on a CPU, where a forward of the 1.5B target costs
-    ~0.1-0.5 s, :data:`CPU_BATCH_SIZES` (the row plans were probed for every call size already,
-    and the CPU's attention runs one query at a time)."""
+    GPU, a few on a CPU (:data:`CPU_PROOF`)."""
     if sessions < 2:
         return ()
-    if device.type == "cpu":
-        return tuple(sorted({size for size in CPU_BATCH_SIZES if size < sessions} | {sessions}))
-    return tuple(range(2, sessions + 1))
+    chosen = proof_shape(device).cpu_sizes
+    if chosen is None:
+        return tuple(range(2, sessions + 1))
+    return tuple(sorted({size for size in chosen if size < sessions} | {sessions}))
 
 
-def prove_packing(model: torch.nn.Module, sessions: int, seed: int = 0,
-                  sizes: Sequence[int] | None = None) -> PackingVerdict:
+def prove_packing(model: torch.nn.Module, sessions: int, seed: int = 0, sizes: Sequence[int] | None = None,
+                  shape: ProofShape | None = None) -> PackingVerdict:
     """Run the compositions a batcher of ``sessions`` can issue, alone and packed, and compare
-    bit for bit (module doc; ``sizes``: the packed batch sizes, default :func:`batch_sizes`)."""
+    bit for bit (module doc; ``sizes``: the packed batch sizes, default :func:`batch_sizes`;
+    ``shape``: the sessions, default :func:`proof_shape` of the model's device)."""
     if model.get_input_embeddings().weight.dtype == torch.float32:
         return PackingVerdict(True, "packed (float32: batched rows within ~1e-6 of solo rows)")
     if sessions < 2:
         return PackingVerdict(True, "packed (one session per forward)")
     device = model.get_input_embeddings().weight.device
     started = device_clock.now(device)
-    specs = synthetic_sessions(model, sessions + len(PREFILL_BLOCKS), seed)
+    shape = shape or proof_shape(device)
+    specs = synthetic_sessions(model, sessions + len(shape.prefill_blocks), seed, shape)
     alone = []
     for spec in specs:
         sequence = spec.build(model)
@@ -227,7 +256,7 @@ def prove_packing(model: torch.nn.Module, sessions: int, seed: int = 0,
             failures.append(f"{size} sessions: {len(wrong)} changed ("
                             + ", ".join(specs[i].describe() for i in wrong[:3]) + ")")
     seconds = device_clock.now(device) - started
-    what = (f"{len(sizes)} batches of {min(sizes)}-{max(sizes)} sessions, {rows} rows, blocks of 1-{MAX_BLOCK}, "
+    what = (f"{len(sizes)} batches of {min(sizes)}-{max(sizes)} sessions, {rows} rows, blocks of 1-{shape.max_block}, "
             f"caches of {min(s.cache_len for s in specs)}-{max(s.cache_len for s in specs)} keys, prefills")
     if failures:
         logger.warning("packed forwards changed sessions' bits on %s (%s): batching is off, concurrent sessions "
@@ -272,15 +301,16 @@ class SyntheticSession:
         return sequence
 
 
-def synthetic_sessions(model: torch.nn.Module, count: int, seed: int = 0) -> list[SyntheticSession]:
-    """``count`` sessions: blocks of 1 to :data:`MAX_BLOCK` tokens over caches spread across
-    :data:`KEY_GRANULES` 64-key granules, the last ones the prefills of :data:`PREFILL_BLOCKS`."""
+def synthetic_sessions(model: torch.nn.Module, count: int, seed: int = 0,
+                       shape: ProofShape = GPU_PROOF) -> list[SyntheticSession]:
+    """``count`` sessions: blocks of 1 to ``shape.max_block`` tokens over caches spread across
+    :data:`KEY_GRANULES` 64-key granules, the last ones the prefills of ``shape.prefill_blocks``."""
     rng = random.Random(seed)
     vocab = int(model.get_input_embeddings().weight.shape[0])
     specs = []
     for index in range(count):
-        prefill = index - (count - len(PREFILL_BLOCKS))
-        size = PREFILL_BLOCKS[prefill] if prefill >= 0 else 1 + (index * 5) % MAX_BLOCK
+        prefill = index - (count - len(shape.prefill_blocks))
+        size = shape.prefill_blocks[prefill] if prefill >= 0 else 1 + (index * shape.block_stride) % shape.max_block
         granule = index % KEY_GRANULES
         cache_len = granule * KEY_GRANULE + (KEY_GRANULE if index % 7 == 3 else rng.randrange(KEY_GRANULE))
         block = tuple(rng.randrange(vocab) for _ in range(size))

@@ -220,7 +220,7 @@ def model_checks(dtype: torch.dtype) -> dict:
         model = architecture.random_model(0, dtype)
     log(f"  random target built on cuda in {time.perf_counter() - started:.1f} s")
     result = {}
-    specs = packing_proof.synthetic_sessions(model, 16 + len(packing_proof.PREFILL_BLOCKS))
+    specs = packing_proof.synthetic_sessions(model, 16 + len(packing_proof.GPU_PROOF.prefill_blocks))
     for stage in ("no row plans", "gpu row plans"):
         if stage == "gpu row plans":
             started = time.perf_counter()
