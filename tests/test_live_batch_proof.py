@@ -214,3 +214,13 @@ def test_a_row_stable_norm_computes_what_the_norm_computes_in_fixed_shape_calls(
         expected = target_model(ids).logits
         got = model(ids).logits
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_cuda_layout_makes_the_bias_once_per_forward():
+    """The memory-efficient kernel's bias is built with the layout (once per forward), not per layer."""
+    from disco.engines.varlen_attention import additive_bias, query_layout
+
+    layout = query_layout([70, 5], [3, 1], 2, 2, KEY_GRANULE, "cpu", bias_dtype=torch.bfloat16)
+    assert layout.bias is not None and layout.bias.dtype == torch.bfloat16
+    assert torch.equal(layout.bias, additive_bias(layout.mask, torch.bfloat16))
+    assert query_layout([70, 5], [3, 1], 2, 2, KEY_GRANULE, "cpu").bias is None

@@ -193,7 +193,8 @@ def _packed_inputs(model: torch.nn.Module, sessions: Sequence[SessionRows], plan
         kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
         layout = query_layout([rows.cache_len + len(rows.tokens) for rows, _ in one_query],
                               [len(rows.tokens) for rows, _ in one_query], kv_heads,
-                              int(config.num_attention_heads) // kv_heads, plan.key_granule, device)
+                              int(config.num_attention_heads) // kv_heads, plan.key_granule, device,
+                              bias_dtype=(plan.compute_dtype or dtype) if plan.memory_efficient else None)
     return ids, torch.cat(position_ids, dim=1), PackedCache(spans, plan, layout)
 
 

@@ -9,17 +9,17 @@ sessions (:class:`SyntheticSession`) whose caches spread over :data:`KEY_GRANULE
 granules (seeded random keys and values written straight into the cache: no prefill forward),
 with blocks of 1 to 21 tokens (a verification of the default max lookahead plus the bonus) and
 two prefills, each fed alone and then in packed batches of every size from 2 to the batcher's
-maximum (:data:`GPU_PROOF`; on a CPU a lighter :data:`CPU_PROOF`); every session's logits (a prefill's new cache entries) must be
-the same bit for bit. Where they are not, the engine runs forwards one by one (slower under
-load, still exact) and says so (log, ``Info.batching``, ``/metrics``).
+maximum (:data:`GPU_PROOF`; on a CPU a lighter :data:`CPU_PROOF`); every session's logits (a
+prefill's new cache entries) must be the same bit for bit. Where they are not, the engine runs
+forwards one by one (slower under load, still exact) and says so (log, ``Info.batching``,
+``/metrics``).
 
 Why so many compositions: on an H200 the earlier proof (16 sessions of 1-5 tokens over
 one-token caches, one packed forward of 46 rows) passed while 8 live sessions got other tokens:
 cuBLAS changes a row's bits from 129 rows on, and the attention kernel's choice depended on the
 batch and the keys (docs/engines.md, "Exactness on CUDA"). It takes 4-9 s per model on the H200.
-So the verdict is kept per model
-(:func:`verdict_for`): a service proves it while it holds the machine's measurement lock at
-load (``disco target-server``, ``disco draft-server``), and its batcher reuses it.
+So the verdict is kept per model (:func:`verdict_for`): a service proves it while it holds the
+machine's measurement lock at load (``disco target-server``, ``disco draft-server``), and its batcher reuses it.
 Float32 models are not checked: their batched rows differ from solo rows by ~1e-6 on some
 CPUs (float32 GEMMs are not row-invariant there), far below a flip, and the float32
 exactness tests cover them.
@@ -105,6 +105,8 @@ CPU_PROOF = ProofShape(max_block=5, prefill_blocks=(7,), cpu_sizes=(2,), block_s
 
 def proof_shape(device: torch.device) -> ProofShape:
     return CPU_PROOF if device.type == "cpu" else GPU_PROOF
+
+
 #: Blocks the decoding proof verifies at once, each against the same tokens decoded one at a
 #: time (the longest: a verification of the default max lookahead plus the bonus).
 PROOF_BLOCKS = (2, 5, 9, DEFAULT_MAX_LOOKAHEAD + 1)

@@ -75,10 +75,11 @@ class AttentionPlan:
     def attend(self, items: torch.Tensor,  # [sessions, call_heads, 1, head_dim]
                keys: torch.Tensor, values: torch.Tensor,  # [sessions, call or kv heads, padded_keys, head_dim]
                mask: torch.Tensor,  # [sessions, call_heads, 1, padded_keys], bool: True where a query attends
-               scale: float, enable_gqa: bool) -> torch.Tensor:
+               scale: float, enable_gqa: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
         """One attention call: torch's sdpa (its own kernel choice), or, with ``memory_efficient``,
         the memory-efficient kernel called directly (what sdpa runs when that backend is chosen:
-        the boolean mask turned into an additive bias of 0 / -inf in the queries' dtype).
+        the boolean mask turned into an additive bias of 0 / -inf in the queries' dtype;
+        ``bias``: that bias made once per forward, :attr:`QueryLayout.bias`).
 
         NOTE: called directly, not through ``torch.nn.attention.sdpa_kernel``: that context sets
         process-wide backend flags, so another thread's attention (the other model's prefill) ran
@@ -86,11 +87,18 @@ class AttentionPlan:
         if not self.memory_efficient:
             return torch.nn.functional.scaled_dot_product_attention(items, keys, values, attn_mask=mask, scale=scale,
                                                                     enable_gqa=enable_gqa)
-        zero = torch.zeros((), dtype=items.dtype, device=items.device)
-        bias = torch.where(mask, zero, torch.full_like(zero, float("-inf")))  # as sdpa converts a boolean mask
+        if bias is None:
+            bias = additive_bias(mask, items.dtype)
         output, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(items, keys, values, bias, False, 0.0,
                                                                             False, scale=scale)
         return output
+
+
+def additive_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask as sdpa converts it for its fused kernels: 0 where True, -inf
+    where False, in ``dtype``, same shape."""
+    zero = torch.zeros((), dtype=dtype, device=mask.device)
+    return torch.where(mask, zero, torch.full_like(zero, float("-inf")))
 
 
 def attention_plan(device: torch.device | str) -> AttentionPlan:
@@ -146,6 +154,8 @@ class QueryLayout:
             query attends (a padding query attends key 0 only, so no row is empty).
         padded_keys: key slots per session (a multiple of the granule).
         max_queries: query slots per session.
+        bias: ``mask`` as the memory-efficient kernel's additive bias (:func:`additive_bias`),
+            when the plan calls that kernel; else ``None``.
     """
 
     key_gather: torch.Tensor
@@ -154,6 +164,7 @@ class QueryLayout:
     mask: torch.Tensor
     padded_keys: int
     max_queries: int
+    bias: torch.Tensor | None = None
 
     @property
     def num_sessions(self) -> int:
@@ -165,11 +176,11 @@ class QueryLayout:
 
 
 def query_layout(session_keys: Sequence[int], session_queries: Sequence[int], kv_heads: int, group: int,
-                 granule: int, device: torch.device | str) -> QueryLayout:
+                 granule: int, device: torch.device | str, bias_dtype: torch.dtype | None = None) -> QueryLayout:
     """The layout of sessions whose caches hold ``session_keys[s]`` keys after the update,
     the last ``session_queries[s]`` of them being this forward's queries: query ``i`` of
     session ``s`` sees its first ``session_keys[s] - session_queries[s] + 1 + i`` keys.
-    ``group``: query heads per key head."""
+    ``group``: query heads per key head; ``bias_dtype``: also make :attr:`QueryLayout.bias`."""
     sessions = len(session_keys)
     assert sessions and all(1 <= q <= k for k, q in zip(session_keys, session_queries)), (session_keys, session_queries)
     max_queries = max(session_queries)
@@ -187,9 +198,10 @@ def query_layout(session_keys: Sequence[int], session_queries: Sequence[int], kv
     visible = torch.where(real, visible, 1)
     mask = slots < visible[:, :, None]  # [sessions, max_queries, padded]
     mask = mask[:, None, :, None, :].expand(sessions, kv_heads, max_queries, group, padded)
-    mask = mask.reshape(sessions, kv_heads * max_queries * group, 1, padded)
+    mask = mask.reshape(sessions, kv_heads * max_queries * group, 1, padded).to(device)
+    bias = additive_bias(mask, bias_dtype) if bias_dtype is not None else None
     return QueryLayout(key_gather.reshape(-1).to(device), query_gather.reshape(-1).to(device),
-                       real.reshape(-1).nonzero().squeeze(1).to(device), mask.to(device), padded, max_queries)
+                       real.reshape(-1).nonzero().squeeze(1).to(device), mask, padded, max_queries, bias)
 
 
 def one_call_attention(queries: torch.Tensor,  # [1, heads, num_queries, head_dim]
@@ -221,7 +233,7 @@ def one_call_attention(queries: torch.Tensor,  # [1, heads, num_queries, head_di
     rows = rows.index_select(1, layout.query_gather).view(kv_heads, group, sessions, slots, head_dim)
     items = rows.permute(2, 0, 3, 1, 4).reshape(sessions, call_heads, 1, head_dim).to(dtype)
     output = plan.attend(items, gathered(session_keys), gathered(session_values), layout.mask, scaling,
-                         plan.kernel_gqa and call_heads != kv_heads)  # [sessions, call_heads, 1, head_dim]
+                         plan.kernel_gqa and call_heads != kv_heads, layout.bias)  # [sessions, call_heads, 1, head_dim]
     output = output.view(sessions, kv_heads, slots, group, head_dim).permute(1, 3, 0, 2, 4)
     output = output.reshape(heads, sessions * slots, head_dim).index_select(1, layout.query_rows)
     return output.transpose(0, 1).unsqueeze(0).to(queries.dtype)  # [1, num_queries, heads, head_dim]

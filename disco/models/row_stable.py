@@ -20,8 +20,9 @@ What the CPU kernels do (torch 2.13.0+cpu, measured with :func:`probe_plan`'s in
   live batch of 16 sessions' blocks changed tokens while a one-session proof passed).
   :data:`GPU_PLANS` cut calls to at most 128 (else 64) rows where the probe shows every row
   keeps its one-row bits up to there, else pad every call to one fixed shape of
-  :data:`GPU_CALL_ROWS` rows. The probe runs where the linear lives (:mod:`disco.models.loading` at load, on every device;
-  :func:`disco.engines.packing_proof.exactness_for` for models built elsewhere).
+  :data:`GPU_CALL_ROWS` rows. The probe runs where the linear lives (:mod:`disco.models.loading`
+  at load, on every device; :func:`disco.engines.packing_proof.exactness_for` for models built
+  elsewhere).
 
 So every call of a low-precision linear follows one :class:`RowPlan`: calls of fewer than
 ``min_rows`` rows get zero rows added, calls of more than ``max_rows`` rows are cut into
@@ -102,6 +103,8 @@ GPU_NORM_PLAN = RowPlan(GPU_CALL_ROWS, GPU_CALL_ROWS)
 def plans_for(device: torch.device) -> tuple[RowPlan, ...]:
     """The plans :func:`stabilize` tries for linears on ``device``."""
     return PLANS if device.type == "cpu" else GPU_PLANS
+
+
 #: Distinct output channels of a probe's weight (tiled to the layer's width).
 PROBE_CHANNELS = 256
 
@@ -195,7 +198,7 @@ def _probe_call(module: nn.Module, rows: int = PLANS[0].max_rows) -> tuple[RowCa
         dtype = module.compute_dtype
         inputs, weight, bias = cancelling_inputs(rows, module.out_features, module.in_features, dtype)
         probe = module.probe_twin(weight, bias if module.bias is not None else None)
-        device = next(module.buffers()).device
+        device = _device(module)
         return probe.to(device)._quantized, inputs.to(dtype=dtype, device=device)
     dtype, device = module.weight.dtype, module.weight.device
     inputs, weight, bias = cancelling_inputs(rows, module.out_features, module.in_features, dtype)
@@ -257,7 +260,7 @@ def stabilize(model: nn.Module) -> str:
 def _stabilize(model: nn.Module) -> str:
     norms = stabilize_norms(model)
     line = _stabilize_linears(model)
-    return f"{line}; norms in calls of {GPU_NORM_PLAN.describe().split(' ', 2)[-1]}" if norms else line
+    return f"{line}; norms in {GPU_NORM_PLAN.describe()}" if norms else line
 
 
 def _stabilize_linears(model: nn.Module) -> str:
