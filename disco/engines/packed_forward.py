@@ -48,6 +48,7 @@ from transformers.cache_utils import Cache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, create_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from disco.engines.lean_decoder import LeanDecoder, lean_decoder_for
 from disco.engines.varlen_attention import AttentionPlan, QueryLayout, attention_plan, one_call_attention, query_layout
 from disco.models.weight_only import DENSE_MIN_ROWS, dense_prefill
 
@@ -88,22 +89,25 @@ def supports_packing(model: torch.nn.Module) -> bool:
     if layer_types != {"full_attention"} or config._attn_implementation != _BASE:
         return False
     if _NAME not in ALL_ATTENTION_FUNCTIONS:
-        ALL_ATTENTION_FUNCTIONS.register(_NAME, _packed_attention)
+        ALL_ATTENTION_FUNCTIONS.register(_NAME, packed_attention)
         ALL_MASK_ATTENTION_FUNCTIONS.register(_NAME, ALL_MASK_ATTENTION_FUNCTIONS[_BASE])
     model.set_attn_implementation(_NAME)
     return config._attn_implementation == _NAME
 
 
 @torch.inference_mode()
-def packed_forward(model: torch.nn.Module, sessions: Sequence[SessionRows], plan: AttentionPlan | None = None
-                   ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+def packed_forward(model: torch.nn.Module, sessions: Sequence[SessionRows], plan: AttentionPlan | None = None,
+                   lean: "LeanDecoder | bool | None" = None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """Feed every session's tokens in one forward; extend each session's cache.
 
     Returns, per session, its logits ``[num_logits, vocab]`` (float32; empty for a
     prefill) and, if asked, the matching last hidden states ``[num_logits, hidden]``.
     The model must pass :func:`supports_packing`. ``plan``: how the queries that ask for
     logits attend (default: :func:`~disco.engines.varlen_attention.attention_plan` of the
-    model's device; the same plan must serve decoding and verification).
+    model's device; the same plan must serve decoding and verification). ``lean``: the
+    decoder's forward — ``None``, the model's lean decoder where it has one
+    (:func:`~disco.engines.lean_decoder.lean_decoder_for`: the same bits, fewer ops); ``False``,
+    the HF forward; or a given :class:`~disco.engines.lean_decoder.LeanDecoder`.
     """
     device = next(model.parameters()).device
     input_ids, position_ids, packed_cache = _packed_inputs(model, sessions, plan or attention_plan(device))
@@ -114,11 +118,15 @@ def packed_forward(model: torch.nn.Module, sessions: Sequence[SessionRows], plan
     # the row-stable linears' one plain call (no effect on other engines).
     dense = [(span.start, span.end) for span in packed_cache.spans
              if not span.one_query_at_a_time and span.end - span.start >= DENSE_MIN_ROWS]
+    decoder = lean_decoder_for(model) if lean is None or lean is True else lean or None
     # 1. One forward of the decoder over the packed row; attention per session.
     with dense_prefill(dense):
-        hidden = model.get_decoder()(input_ids=input_ids, attention_mask=unused_mask, position_ids=position_ids,
-                                     cache=packed_cache, use_cache=True,
-                                     packed_cache=packed_cache).last_hidden_state[0]  # [rows, hidden]
+        if decoder is not None:
+            hidden = decoder(input_ids, position_ids, packed_cache)[0]  # [rows, hidden]
+        else:
+            hidden = model.get_decoder()(input_ids=input_ids, attention_mask=unused_mask, position_ids=position_ids,
+                                         cache=packed_cache, use_cache=True,
+                                         packed_cache=packed_cache).last_hidden_state[0]  # [rows, hidden]
     # 2. One LM-head matmul for every row asked for: the head is the largest weight matrix,
     # reading it once per session would cost as much as a forward of a small model.
     wanted = [hidden[span.end - rows.num_logits: span.end]  # [num_logits, hidden]
@@ -198,7 +206,7 @@ def _packed_inputs(model: torch.nn.Module, sessions: Sequence[SessionRows], plan
     return ids, torch.cat(position_ids, dim=1), PackedCache(spans, plan, layout)
 
 
-def _packed_attention(module: torch.nn.Module, query: torch.Tensor,  # query: [1, heads, rows, head_dim]
+def packed_attention(module: torch.nn.Module, query: torch.Tensor,  # query: [1, heads, rows, head_dim]
                       key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
                       **kwargs) -> tuple[torch.Tensor, None]:
     """sdpa per prefill block; the queries that ask for logits one at a time (reference) or

@@ -1,6 +1,6 @@
 """One attention call per layer for every query of a packed forward that asks for logits.
 
-The reference (:func:`disco.engines.packed_forward._packed_attention`, ``one_call=False``)
+The reference (:func:`disco.engines.packed_forward.packed_attention`, ``one_call=False``)
 attends each decoded or verified query on its own: one sdpa per query, per session, per
 layer, over exactly the keys up to the query's position. That is what makes a verified
 block give the logits of one-token decoding, and a packed batch give each session its solo

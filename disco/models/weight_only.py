@@ -51,6 +51,11 @@ def dense_prefill(spans: Sequence[tuple[int, int]]) -> Iterator[None]:
         _SPANS.reset(token)
 
 
+def dense_spans_active() -> bool:
+    """Whether the forward in flight has dense prefill spans (:func:`dense_prefill`)."""
+    return bool(_SPANS.get())
+
+
 def split_rows(rows: torch.Tensor,  # [n, in_features]
                quantized: Callable[[torch.Tensor], torch.Tensor],
                dense: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

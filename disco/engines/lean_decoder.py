@@ -1,0 +1,258 @@
+"""The lean decode path: a Qwen2/Llama-style decoder as plain tensor ops over the packed row.
+
+transformers' decoder forward wraps every layer in module calls, decorators, keyword
+plumbing and output recorders: for the 24-layer 0.5B draft that Python work is a large part
+of a one-token forward on a CPU (docs/engines.md, "The lean decode path"). Here the packed
+forward's decoder (:func:`disco.engines.packed_forward.packed_forward`, step 1) runs as one
+loop over the layers, calling only what computes:
+
+* the **same ops on the same weights** as the HF forward: the model's own linear modules
+  (so the engines' row plans, weight-only kernels and dense prefill spans apply unchanged),
+  HF's RMSNorm arithmetic (float32 mean of squares, rsqrt, back to the model's dtype), the
+  model's own rotary embedding, and the packed attention of
+  :mod:`disco.engines.packed_forward` (per-session caches, one query at a time or the one-call
+  plan). Element-wise ops give the same bits whatever tensor they run on, so q and k are
+  rotated in one call.
+* **fused projections** where the kernel allows it: when q/k/v (and gate/up) are q4 x q8 int4
+  layers (:mod:`disco.models.q4q8`), they run as one call over one weight buffer (the parts'
+  buffers become views of it: no second copy). That kernel computes every output channel from
+  the row's own int8 activations alone, so a fused call gives each channel its own layer's bits.
+  Rows of a long prefill block (dense spans) run through the separate layers, as in HF.
+
+The promise is **bit identity with the HF forward** — so every exactness proof of the packed
+forward (row plans, a verified block equals decoding, the start-up packing proof) holds for
+it. :func:`lean_decoder_for` checks that promise once per model (a short prefill and a block
+through both forwards, logits compared bit for bit) and falls back to the HF forward, with the
+reason in the log, where it does not hold or the architecture is not one it knows.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from disco.models import q4q8
+from disco.models.int4 import Int4Linear
+from disco.models.weight_only import dense_spans_active
+
+logger = logging.getLogger(__name__)
+
+#: Architectures whose decoder layer is the one below (pre-norm RMSNorm, rotary GQA
+#: attention with optional q/k/v biases, SwiGLU MLP, no sliding window).
+ARCHITECTURES = ("qwen2", "llama")
+_NORM_CLASSES = ("Qwen2RMSNorm", "LlamaRMSNorm")
+_ATTRIBUTE = "_disco_lean_decoder"
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One decoder layer's parts (the model's own modules, plus the fused projections)."""
+
+    input_norm: nn.Module
+    post_norm: nn.Module
+    attention: nn.Module  # the HF attention module: its layer index and scaling
+    q_proj: nn.Module
+    k_proj: nn.Module
+    v_proj: nn.Module
+    o_proj: nn.Module
+    gate_proj: nn.Module
+    up_proj: nn.Module
+    down_proj: nn.Module
+    qkv: nn.Module | None  # q, k and v in one call (fused q4 x q8 weights), or None
+    gate_up: nn.Module | None
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why the lean forward cannot run ``model``, or ``None`` when it can."""
+    config = model.config
+    if getattr(config, "model_type", None) not in ARCHITECTURES:
+        return f"architecture {getattr(config, 'model_type', None)!r} (lean: {', '.join(ARCHITECTURES)})"
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"activation {config.hidden_act!r}"
+    decoder = model.get_decoder()
+    rotary = getattr(decoder, "rotary_emb", None)
+    if rotary is None or getattr(rotary, "rope_type", None) != "default":
+        return f"rotary embedding {getattr(rotary, 'rope_type', None)!r}"
+    if set(getattr(config, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
+        return "layers other than full attention"
+    for layer in decoder.layers:
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            if not hasattr(layer, name):
+                return f"a decoder layer without {name}"
+        if not all(hasattr(layer.self_attn, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            return "an attention without q/k/v/o projections"
+        if not all(hasattr(layer.mlp, name) for name in ("gate_proj", "up_proj", "down_proj")):
+            return "an MLP without gate/up/down projections"
+    return None
+
+
+def _fusable(parts: list[nn.Module]) -> bool:
+    """Whether ``parts`` can run as one call: q4 x q8 int4 layers of one input width, kernel,
+    row plan and dtype, output widths multiples of the kernel's 16-channel blocks."""
+    if not all(isinstance(part, Int4Linear) and part.kernel in q4q8.KERNELS for part in parts):
+        return False
+    first = parts[0]
+    return all(part.in_features == first.in_features and part.kernel == first.kernel
+               and part.row_plan == first.row_plan and part.compute_dtype == first.compute_dtype
+               and part.out_features % 16 == 0 and (part.bias is None) == (first.bias is None) for part in parts)
+
+
+def _fused(parts: list[nn.Module]) -> Int4Linear:
+    """One int4 layer whose output is the parts' outputs side by side. The kernel's layout
+    stores blocks of 16 output channels one after the other, so the fused weights are the
+    parts' buffers concatenated; the parts then read views of that buffer (no second copy)."""
+    first = parts[0]
+    fused = Int4Linear.__new__(Int4Linear)
+    nn.Module.__init__(fused)
+    fused.in_features, fused.group_size = first.in_features, first.group_size
+    fused.out_features = sum(part.out_features for part in parts)
+    fused.register_buffer("packed", torch.empty(0, dtype=torch.uint8))
+    fused.register_buffer("centered", torch.empty(0, dtype=torch.int8))
+    # Only the dtype is read (compute_dtype): the q4 x q8 weights carry their scales.
+    fused.register_buffer("scales_and_zeros", first.scales_and_zeros[:0, :0])
+    fused.register_buffer("bias", None if first.bias is None else torch.cat([part.bias for part in parts]))
+    fused.kernel, fused.row_plan, fused.dense_dtype = first.kernel, first.row_plan, first.dense_dtype
+    weights = torch.cat([part.q4q8_weights for part in parts])
+    fused.q4q8_weights = weights
+    offset = 0
+    for part in parts:
+        size = part.q4q8_weights.numel()
+        part.q4q8_weights = weights[offset: offset + size]
+        offset += size
+    return fused
+
+
+def _rms_norm(norm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., hidden]
+    """HF's Qwen2/Llama RMSNorm arithmetic without the module call; any other norm module
+    (a GPU's row-stable norm) is called as it is."""
+    if type(norm).__name__ not in _NORM_CLASSES:
+        return norm(hidden)
+    states = hidden.to(torch.float32)
+    variance = states.pow(2).mean(-1, keepdim=True)
+    states = states * torch.rsqrt(variance + norm.variance_epsilon)
+    return norm.weight * states.to(hidden.dtype)
+
+
+def _rotate_half(states: torch.Tensor) -> torch.Tensor:
+    half = states.shape[-1] // 2
+    return torch.cat((-states[..., half:], states[..., :half]), dim=-1)
+
+
+class LeanDecoder:
+    """The decoder of one model as a plain loop (module doc). Build with :func:`lean_decoder_for`."""
+
+    def __init__(self, model: nn.Module, fuse: bool = True) -> None:
+        self.model = model
+        decoder = model.get_decoder()
+        self.decoder = decoder
+        config = model.config
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
+        self.layers: list[_Layer] = []
+        for layer in decoder.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            qkv_parts = [attention.q_proj, attention.k_proj, attention.v_proj]
+            gate_up_parts = [mlp.gate_proj, mlp.up_proj]
+            self.layers.append(_Layer(
+                layer.input_layernorm, layer.post_attention_layernorm, attention, *qkv_parts, attention.o_proj,
+                *gate_up_parts, mlp.down_proj,
+                qkv=_fused(qkv_parts) if fuse and _fusable(qkv_parts) else None,
+                gate_up=_fused(gate_up_parts) if fuse and _fusable(gate_up_parts) else None))
+
+    @property
+    def fused(self) -> bool:
+        return any(layer.qkv is not None or layer.gate_up is not None for layer in self.layers)
+
+    def describe(self) -> str:
+        fused = sum(layer.qkv is not None for layer in self.layers) + sum(
+            layer.gate_up is not None for layer in self.layers)
+        return f"lean decoder ({len(self.layers)} layers, {fused} fused projections)"
+
+    def __call__(self, input_ids: torch.Tensor,  # [1, rows]
+                 position_ids: torch.Tensor,  # [1, rows]
+                 packed_cache) -> torch.Tensor:  # a disco.engines.packed_forward.PackedCache
+        """The last hidden states ``[1, rows, hidden]`` (after the final norm); extends every
+        session's cache in place, as the HF decoder does through the packed cache."""
+        from disco.engines.packed_forward import packed_attention  # noqa: PLC0415 - they import each other
+
+        hidden = self.decoder.embed_tokens(input_ids)  # [1, rows, hidden]
+        cos, sin = self.decoder.rotary_emb(hidden, position_ids)  # each [1, rows, head_dim]
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [1, rows, 1, head_dim]: heads in dim 2
+        rows = hidden.shape[1]
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        fuse = not dense_spans_active()  # a long prefill block: the separate layers, as HF runs them
+        for layer in self.layers:
+            states = _rms_norm(layer.input_norm, hidden)
+            if fuse and layer.qkv is not None:
+                qkv = layer.qkv(states).view(1, rows, heads + 2 * kv_heads, dim)
+                query_key = qkv[:, :, : heads + kv_heads]
+                value = qkv[:, :, heads + kv_heads:]
+            else:
+                query_key = torch.cat([layer.q_proj(states).view(1, rows, heads, dim),
+                                       layer.k_proj(states).view(1, rows, kv_heads, dim)], dim=2)
+                value = layer.v_proj(states).view(1, rows, kv_heads, dim)
+            query_key = (query_key * cos) + (_rotate_half(query_key) * sin)
+            query = query_key[:, :, :heads].transpose(1, 2)  # [1, heads, rows, dim]
+            key = query_key[:, :, heads:].transpose(1, 2)  # [1, kv_heads, rows, dim]
+            key, value = packed_cache.update(key, value.transpose(1, 2), layer.attention.layer_idx)
+            attended, _ = packed_attention(layer.attention, query, key, value, None, packed_cache=packed_cache,
+                                           dropout=0.0, scaling=layer.attention.scaling)
+            hidden = hidden + layer.o_proj(attended.reshape(1, rows, heads * dim).contiguous())
+            states = _rms_norm(layer.post_norm, hidden)
+            if fuse and layer.gate_up is not None:
+                gate_up = layer.gate_up(states)
+                width = gate_up.shape[-1] // 2
+                mixed = nn.functional.silu(gate_up[..., :width]) * gate_up[..., width:]
+            else:
+                mixed = nn.functional.silu(layer.gate_proj(states)) * layer.up_proj(states)
+            hidden = hidden + layer.down_proj(mixed)
+        return _rms_norm(self.decoder.norm, hidden)
+
+
+def lean_decoder_for(model: nn.Module) -> LeanDecoder | None:
+    """The model's lean decoder, built and checked once (cached on the model); ``None`` where
+    the HF forward runs instead (an architecture it does not know, or a check that failed)."""
+    cached = model.__dict__.get(_ATTRIBUTE)
+    if cached is not None:
+        return cached or None
+    from disco.engines.packed_forward import supports_packing  # noqa: PLC0415
+
+    reason = unsupported_reason(model) if supports_packing(model) else "no packed forward"
+    lean = None
+    if reason is None:
+        lean = LeanDecoder(model)
+        reason = _check(model, lean)
+        if reason is not None and lean.fused:
+            logger.warning("%s: fused projections off (%s)", type(model).__name__, reason)
+            lean = LeanDecoder(model, fuse=False)  # the parts keep views of the fused buffers: same values
+            reason = _check(model, lean)
+    if reason is not None:
+        logger.info("%s: the HF forward (no lean decoder: %s)", type(model).__name__, reason)
+        lean = None
+    model.__dict__[_ATTRIBUTE] = lean or False
+    return lean
+
+
+def _check(model: nn.Module, lean: LeanDecoder) -> str | None:
+    """Compare the lean and the HF forward bit for bit on a short prefill and a 3-token block;
+    ``None`` when they agree, else what differed."""
+    from disco.engines.packed_forward import SessionRows, packed_forward  # noqa: PLC0415
+    from disco.engines.static_kv import PreallocatedCache  # noqa: PLC0415
+
+    vocab = int(model.config.vocab_size)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (12,), generator=generator).tolist()
+    outputs = []
+    for forward in (False, lean):
+        cache = PreallocatedCache.for_model(model, 16)
+        packed_forward(model, [SessionRows(cache, 0, tokens[:8], 0)], lean=forward)
+        logits, _ = packed_forward(model, [SessionRows(cache, 8, tokens[8:], 4)], lean=forward)[0]
+        outputs.append(logits)
+    if not torch.equal(outputs[0], outputs[1]):
+        differing = int((outputs[0] != outputs[1]).any(dim=-1).sum())
+        return f"its logits differ from the HF forward's in {differing} of 4 positions"
+    return None
