@@ -21,30 +21,28 @@ loop over the layers, calling only what computes:
 
 The promise is **bit identity with the HF forward** — so every exactness proof of the packed
 forward (row plans, a verified block equals decoding, the start-up packing proof) holds for
-it. :func:`lean_decoder_for` checks that promise once per model (a short prefill and a block
-through both forwards, logits compared bit for bit) and falls back to the HF forward, with the
-reason in the log, where it does not hold or the architecture is not one it knows.
+it. :func:`disco.engines.packed_forward.lean_decoder_for` checks that promise once per model (a
+short prefill and a block through both forwards, logits compared bit for bit) and falls back to
+the HF forward, with the reason in the log, where it does not hold or the architecture is not
+one it knows.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from disco.models import q4q8
 from disco.models.int4 import Int4Linear
 from disco.models.weight_only import dense_spans_active
 
-logger = logging.getLogger(__name__)
-
 #: Architectures whose decoder layer is the one below (pre-norm RMSNorm, rotary GQA
 #: attention with optional q/k/v biases, SwiGLU MLP, no sliding window).
 ARCHITECTURES = ("qwen2", "llama")
 _NORM_CLASSES = ("Qwen2RMSNorm", "LlamaRMSNorm")
-_ATTRIBUTE = "_disco_lean_decoder"
 
 
 @dataclass(frozen=True)
@@ -117,11 +115,13 @@ def _fused(parts: list[nn.Module]) -> Int4Linear:
     fused.kernel, fused.row_plan, fused.dense_dtype = first.kernel, first.row_plan, first.dense_dtype
     weights = torch.cat([part.q4q8_weights for part in parts])
     fused.q4q8_weights = weights
-    offset = 0
+    offset, views = 0, []
     for part in parts:
         size = part.q4q8_weights.numel()
         part.q4q8_weights = weights[offset: offset + size]
+        views.append(part.q4q8_weights)
         offset += size
+    fused.part_views = tuple(views)  # what the parts read; another tensor there makes the decoder stale
     return fused
 
 
@@ -142,7 +142,9 @@ def _rotate_half(states: torch.Tensor) -> torch.Tensor:
 
 
 class LeanDecoder:
-    """The decoder of one model as a plain loop (module doc). Build with :func:`lean_decoder_for`."""
+    """The decoder of one model as a plain loop (module doc), over a model that
+    :func:`disco.engines.packed_forward.supports_packing` (its attention is the packed one).
+    Built and checked by :func:`disco.engines.packed_forward.lean_decoder_for`."""
 
     def __init__(self, model: nn.Module, fuse: bool = True) -> None:
         self.model = model
@@ -163,6 +165,28 @@ class LeanDecoder:
                 qkv=_fused(qkv_parts) if fuse and _fusable(qkv_parts) else None,
                 gate_up=_fused(gate_up_parts) if fuse and _fusable(gate_up_parts) else None))
 
+    def is_current(self) -> bool:
+        """Whether the model still has the modules (and fused weights, row plans) this decoder
+        was built over: a model quantized, given another kernel or row plans after its first
+        forward gets a new one."""
+        layers = self.decoder.layers
+        if len(layers) != len(self.layers):
+            return False
+        for layer, parts in zip(layers, self.layers):
+            attention, mlp = layer.self_attn, layer.mlp
+            if (attention is not parts.attention or attention.q_proj is not parts.q_proj
+                    or attention.k_proj is not parts.k_proj or attention.v_proj is not parts.v_proj
+                    or attention.o_proj is not parts.o_proj or mlp.gate_proj is not parts.gate_proj
+                    or mlp.up_proj is not parts.up_proj or mlp.down_proj is not parts.down_proj):
+                return False
+            for fused, members in ((parts.qkv, (parts.q_proj, parts.k_proj, parts.v_proj)),
+                                   (parts.gate_up, (parts.gate_proj, parts.up_proj))):
+                if fused is not None and (fused.row_plan != members[0].row_plan or any(
+                        getattr(member, "q4q8_weights", None) is not view
+                        for member, view in zip(members, fused.part_views))):
+                    return False
+        return True
+
     @property
     def fused(self) -> bool:
         return any(layer.qkv is not None or layer.gate_up is not None for layer in self.layers)
@@ -177,8 +201,7 @@ class LeanDecoder:
                  packed_cache) -> torch.Tensor:  # a disco.engines.packed_forward.PackedCache
         """The last hidden states ``[1, rows, hidden]`` (after the final norm); extends every
         session's cache in place, as the HF decoder does through the packed cache."""
-        from disco.engines.packed_forward import packed_attention  # noqa: PLC0415 - they import each other
-
+        attend = ALL_ATTENTION_FUNCTIONS[self.model.config._attn_implementation]  # the packed forward's attention
         hidden = self.decoder.embed_tokens(input_ids)  # [1, rows, hidden]
         cos, sin = self.decoder.rotary_emb(hidden, position_ids)  # each [1, rows, head_dim]
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [1, rows, 1, head_dim]: heads in dim 2
@@ -199,7 +222,7 @@ class LeanDecoder:
             query = query_key[:, :, :heads].transpose(1, 2)  # [1, heads, rows, dim]
             key = query_key[:, :, heads:].transpose(1, 2)  # [1, kv_heads, rows, dim]
             key, value = packed_cache.update(key, value.transpose(1, 2), layer.attention.layer_idx)
-            attended, _ = packed_attention(layer.attention, query, key, value, None, packed_cache=packed_cache,
+            attended, _ = attend(layer.attention, query, key, value, None, packed_cache=packed_cache,
                                            dropout=0.0, scaling=layer.attention.scaling)
             hidden = hidden + layer.o_proj(attended.reshape(1, rows, heads * dim).contiguous())
             states = _rms_norm(layer.post_norm, hidden)
@@ -211,48 +234,3 @@ class LeanDecoder:
                 mixed = nn.functional.silu(layer.gate_proj(states)) * layer.up_proj(states)
             hidden = hidden + layer.down_proj(mixed)
         return _rms_norm(self.decoder.norm, hidden)
-
-
-def lean_decoder_for(model: nn.Module) -> LeanDecoder | None:
-    """The model's lean decoder, built and checked once (cached on the model); ``None`` where
-    the HF forward runs instead (an architecture it does not know, or a check that failed)."""
-    cached = model.__dict__.get(_ATTRIBUTE)
-    if cached is not None:
-        return cached or None
-    from disco.engines.packed_forward import supports_packing  # noqa: PLC0415
-
-    reason = unsupported_reason(model) if supports_packing(model) else "no packed forward"
-    lean = None
-    if reason is None:
-        lean = LeanDecoder(model)
-        reason = _check(model, lean)
-        if reason is not None and lean.fused:
-            logger.warning("%s: fused projections off (%s)", type(model).__name__, reason)
-            lean = LeanDecoder(model, fuse=False)  # the parts keep views of the fused buffers: same values
-            reason = _check(model, lean)
-    if reason is not None:
-        logger.info("%s: the HF forward (no lean decoder: %s)", type(model).__name__, reason)
-        lean = None
-    model.__dict__[_ATTRIBUTE] = lean or False
-    return lean
-
-
-def _check(model: nn.Module, lean: LeanDecoder) -> str | None:
-    """Compare the lean and the HF forward bit for bit on a short prefill and a 3-token block;
-    ``None`` when they agree, else what differed."""
-    from disco.engines.packed_forward import SessionRows, packed_forward  # noqa: PLC0415
-    from disco.engines.static_kv import PreallocatedCache  # noqa: PLC0415
-
-    vocab = int(model.config.vocab_size)
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, vocab, (12,), generator=generator).tolist()
-    outputs = []
-    for forward in (False, lean):
-        cache = PreallocatedCache.for_model(model, 16)
-        packed_forward(model, [SessionRows(cache, 0, tokens[:8], 0)], lean=forward)
-        logits, _ = packed_forward(model, [SessionRows(cache, 8, tokens[8:], 4)], lean=forward)[0]
-        outputs.append(logits)
-    if not torch.equal(outputs[0], outputs[1]):
-        differing = int((outputs[0] != outputs[1]).any(dim=-1).sum())
-        return f"its logits differ from the HF forward's in {differing} of 4 positions"
-    return None

@@ -32,6 +32,10 @@ With both, greedy speculative output in bf16 equals target-only output wherever 
 plans hold (measured: AVX2, AMX and AVX-512-BF16 CPUs, bf16 and int8/int4; float32 GEMM
 is not row-invariant on AVX2, its ~1e-6 differences stay far below a flip).
 
+The decoder runs as the model's lean decoder (:mod:`disco.engines.lean_decoder`: one plain loop
+over the layers, the HF forward's bits with fewer ops; checked against the HF forward once per
+model, :func:`lean_decoder_for`) or, for other architectures, as the HF decoder forward.
+
 The attention function is installed once per model (:func:`install`); without a packed
 forward in flight it is exactly the model's previous implementation (sdpa), so every other
 use of the model is unchanged. Models whose layers are not all full attention, or that do
@@ -40,6 +44,7 @@ not use sdpa, fall back to plain unbatched forwards (:func:`supports_packing`).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -48,12 +53,16 @@ from transformers.cache_utils import Cache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, create_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from disco.engines.lean_decoder import LeanDecoder, lean_decoder_for
+from disco.engines import lean_decoder
+from disco.engines.static_kv import PreallocatedCache
 from disco.engines.varlen_attention import AttentionPlan, QueryLayout, attention_plan, one_call_attention, query_layout
 from disco.models.weight_only import DENSE_MIN_ROWS, dense_prefill
 
 _NAME = "disco_packed_sdpa"
 _BASE = "sdpa"
+_LEAN_ATTRIBUTE = "_disco_lean_decoder"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -97,7 +106,7 @@ def supports_packing(model: torch.nn.Module) -> bool:
 
 @torch.inference_mode()
 def packed_forward(model: torch.nn.Module, sessions: Sequence[SessionRows], plan: AttentionPlan | None = None,
-                   lean: "LeanDecoder | bool | None" = None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+                   lean: lean_decoder.LeanDecoder | bool | None = None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """Feed every session's tokens in one forward; extend each session's cache.
 
     Returns, per session, its logits ``[num_logits, vocab]`` (float32; empty for a
@@ -106,7 +115,7 @@ def packed_forward(model: torch.nn.Module, sessions: Sequence[SessionRows], plan
     logits attend (default: :func:`~disco.engines.varlen_attention.attention_plan` of the
     model's device; the same plan must serve decoding and verification). ``lean``: the
     decoder's forward — ``None``, the model's lean decoder where it has one
-    (:func:`~disco.engines.lean_decoder.lean_decoder_for`: the same bits, fewer ops); ``False``,
+    (:func:`lean_decoder_for`: the same bits, fewer ops); ``False``,
     the HF forward; or a given :class:`~disco.engines.lean_decoder.LeanDecoder`.
     """
     device = next(model.parameters()).device
@@ -118,7 +127,7 @@ def packed_forward(model: torch.nn.Module, sessions: Sequence[SessionRows], plan
     # the row-stable linears' one plain call (no effect on other engines).
     dense = [(span.start, span.end) for span in packed_cache.spans
              if not span.one_query_at_a_time and span.end - span.start >= DENSE_MIN_ROWS]
-    decoder = lean_decoder_for(model) if lean is None or lean is True else lean or None
+    decoder = lean_decoder_for(model) if lean is None or lean is True else lean or None  # None: HF's
     # 1. One forward of the decoder over the packed row; attention per session.
     with dense_prefill(dense):
         if decoder is not None:
@@ -260,3 +269,49 @@ def _one_query_at_a_time(module: torch.nn.Module, queries: torch.Tensor,  # [1, 
                          session_values[:, :, :keys_end], None, **kwargs)
         outputs.append(output.to(dtype))  # [1, 1, heads, head_dim]
     return outputs
+
+
+def lean_decoder_for(model: torch.nn.Module) -> lean_decoder.LeanDecoder | None:
+    """The model's lean decoder, built and checked once (cached on the model); ``None`` where
+    the HF forward runs instead (an architecture it does not know, or a check that failed)."""
+    cached = model.__dict__.get(_LEAN_ATTRIBUTE)
+    if cached is False or (cached is not None and cached.is_current()):
+        return cached or None
+    reason = lean_decoder.unsupported_reason(model) if supports_packing(model) else "no packed forward"
+    lean = None
+    if reason is None:
+        lean = lean_decoder.LeanDecoder(model)
+        reason = _lean_check(model, lean)
+        if reason is not None and lean.fused:
+            logger.warning("%s: fused projections off (%s)", type(model).__name__, reason)
+            lean = lean_decoder.LeanDecoder(model, fuse=False)  # the parts keep views of the fused buffers: same values
+            reason = _lean_check(model, lean)
+    if reason is not None:
+        logger.info("%s: the HF forward (no lean decoder: %s)", type(model).__name__, reason)
+        lean = None
+    model.__dict__[_LEAN_ATTRIBUTE] = lean or False
+    return lean
+
+
+def describe_forward(model: torch.nn.Module) -> str:
+    """What runs the model's packed forwards, for the start-up log: its lean decoder or the HF forward."""
+    lean = lean_decoder_for(model)
+    return lean.describe() if lean is not None else "the HF decoder forward (no lean decoder for this model)"
+
+
+def _lean_check(model: torch.nn.Module, lean: lean_decoder.LeanDecoder) -> str | None:
+    """Compare the lean and the HF forward bit for bit on a short prefill and a 3-token block;
+    ``None`` when they agree, else what differed."""
+    vocab = int(model.config.vocab_size)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (12,), generator=generator).tolist()
+    outputs = []
+    for forward in (False, lean):
+        cache = PreallocatedCache.for_model(model, 16)
+        packed_forward(model, [SessionRows(cache, 0, tokens[:8], 0)], lean=forward)
+        logits, _ = packed_forward(model, [SessionRows(cache, 8, tokens[8:], 4)], lean=forward)[0]
+        outputs.append(logits)
+    if not torch.equal(outputs[0], outputs[1]):
+        differing = int((outputs[0] != outputs[1]).any(dim=-1).sum())
+        return f"its logits differ from the HF forward's in {differing} of 4 positions"
+    return None

@@ -59,7 +59,7 @@ import torch
 from disco.config import DEFAULT_MAX_LOOKAHEAD
 from disco.engines import device_clock
 from disco.engines.kv import CachedSequence
-from disco.engines.packed_forward import supports_packing
+from disco.engines.packed_forward import describe_forward, supports_packing
 from disco.engines.varlen_attention import KEY_GRANULE
 from disco.models import row_stable
 from disco.models.weight_only import DENSE_MIN_ROWS
@@ -156,6 +156,8 @@ def exactness_for(model: torch.nn.Module) -> Exactness:
     if key not in kept:
         if key[2] != "cpu" and row_stable.needs_plans(model):  # a GPU model built outside load_model
             logger.info("row plans on %s: %s", key[2], row_stable.stabilize(model))
+        if supports_packing(model):
+            logger.info("forwards of %s: %s", type(model).__name__, describe_forward(model))
         exactness = prove_decoding(model)
         if not exactness.proven and row_stable.needs_plans(model):
             logger.info("verified blocks differ from decoding on %s: probing row plans there (%s)",
