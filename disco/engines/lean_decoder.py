@@ -61,6 +61,8 @@ class _Layer:
     down_proj: nn.Module
     qkv: nn.Module | None  # q, k and v in one call (fused q4 x q8 weights), or None
     gate_up: nn.Module | None
+    o_direct: bool  # o_proj / down_proj are q4 x q8 layers (their kernel called directly)
+    down_direct: bool
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
@@ -125,6 +127,25 @@ def _fused(parts: list[nn.Module]) -> Int4Linear:
     return fused
 
 
+def _kernel_direct(module: nn.Module) -> bool:
+    """Whether :func:`_project` may call ``module``'s q4 x q8 kernel itself."""
+    return isinstance(module, Int4Linear) and module.kernel in q4q8.KERNELS
+
+
+def _project(module: nn.Module, direct: bool, states: torch.Tensor) -> torch.Tensor:  # [1, rows, in] -> [1, rows, out]
+    """``module(states)``; for a q4 x q8 layer (``direct``) whose row plan takes the rows in one
+    call, that one call and the bias add made here — what :class:`Int4Linear`'s forward does,
+    without its Python layers (only outside dense prefill spans: the caller checks)."""
+    rows = states.shape[1]
+    plan = module.row_plan if direct else None
+    if not direct or (plan is not None and not plan.min_rows <= rows <= plan.max_rows):
+        return module(states)
+    out = q4q8.mm(states.reshape(rows, module.in_features).contiguous(), module.q4q8_weights, module.out_features)
+    if module.bias is not None:
+        out = out + module.bias
+    return out.view(1, rows, module.out_features)
+
+
 def _rms_norm(norm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., hidden]
     """HF's Qwen2/Llama RMSNorm arithmetic without the module call; any other norm module
     (a GPU's row-stable norm) is called as it is."""
@@ -163,7 +184,8 @@ class LeanDecoder:
                 layer.input_layernorm, layer.post_attention_layernorm, attention, *qkv_parts, attention.o_proj,
                 *gate_up_parts, mlp.down_proj,
                 qkv=_fused(qkv_parts) if fuse and _fusable(qkv_parts) else None,
-                gate_up=_fused(gate_up_parts) if fuse and _fusable(gate_up_parts) else None))
+                gate_up=_fused(gate_up_parts) if fuse and _fusable(gate_up_parts) else None,
+                o_direct=fuse and _kernel_direct(attention.o_proj), down_direct=fuse and _kernel_direct(mlp.down_proj)))
 
     def is_current(self) -> bool:
         """Whether the model still has the modules (and fused weights, row plans) this decoder
@@ -211,7 +233,7 @@ class LeanDecoder:
         for layer in self.layers:
             states = _rms_norm(layer.input_norm, hidden)
             if fuse and layer.qkv is not None:
-                qkv = layer.qkv(states).view(1, rows, heads + 2 * kv_heads, dim)
+                qkv = _project(layer.qkv, True, states).view(1, rows, heads + 2 * kv_heads, dim)
                 query_key = qkv[:, :, : heads + kv_heads]
                 value = qkv[:, :, heads + kv_heads:]
             else:
@@ -224,13 +246,14 @@ class LeanDecoder:
             key, value = packed_cache.update(key, value.transpose(1, 2), layer.attention.layer_idx)
             attended, _ = attend(layer.attention, query, key, value, None, packed_cache=packed_cache,
                                            dropout=0.0, scaling=layer.attention.scaling)
-            hidden = hidden + layer.o_proj(attended.reshape(1, rows, heads * dim).contiguous())
+            hidden = hidden + _project(layer.o_proj, fuse and layer.o_direct,
+                                       attended.reshape(1, rows, heads * dim).contiguous())
             states = _rms_norm(layer.post_norm, hidden)
             if fuse and layer.gate_up is not None:
-                gate_up = layer.gate_up(states)
+                gate_up = _project(layer.gate_up, True, states)
                 width = gate_up.shape[-1] // 2
                 mixed = nn.functional.silu(gate_up[..., :width]) * gate_up[..., width:]
             else:
                 mixed = nn.functional.silu(layer.gate_proj(states)) * layer.up_proj(states)
-            hidden = hidden + layer.down_proj(mixed)
+            hidden = hidden + _project(layer.down_proj, fuse and layer.down_direct, mixed)
         return _rms_norm(self.decoder.norm, hidden)

@@ -45,6 +45,7 @@ not use sdpa, fall back to plain unbatched forwards (:func:`supports_packing`).
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -254,21 +255,46 @@ def _one_query_at_a_time(module: torch.nn.Module, queries: torch.Tensor,  # [1, 
                          session_keys: torch.Tensor, session_values: torch.Tensor,  # [1, kv_heads, keys, head_dim]
                          plan: AttentionPlan, **kwargs) -> list[torch.Tensor]:
     """The reference: one sdpa per query over exactly the keys up to its position (each
-    output ``[1, 1, heads, head_dim]``)."""
-    sdpa = ALL_ATTENTION_FUNCTIONS[_BASE]
+    output ``[1, 1, heads, head_dim]``).
+
+    Each query is the call transformers' sdpa attention makes for a one-token forward
+    without a mask (:func:`_decoding_sdpa`), made directly: the wrapper's Python work, once
+    per query and layer, was a measurable part of a verification's cost on a CPU."""
     dtype = queries.dtype
     # NOTE: in float32 on the CPU — a one-query attention in bf16 is ~6x slower on CPUs without
     # bf16 arithmetic (AVX2: 0.9 vs 0.15 ms per layer for 200 keys), and more exact.
     compute = plan.compute_dtype or dtype
     queries, session_keys, session_values = queries.to(compute), session_keys.to(compute), session_values.to(compute)
     first_key_end = session_keys.shape[2] - queries.shape[2] + 1
+    attend = _decoding_sdpa(module, session_keys, session_values, **kwargs)
     outputs = []
     for offset in range(queries.shape[2]):
         keys_end = first_key_end + offset
-        output, _ = sdpa(module, queries[:, :, offset: offset + 1], session_keys[:, :, :keys_end],
-                         session_values[:, :, :keys_end], None, **kwargs)
+        output = attend(queries[:, :, offset: offset + 1], session_keys[:, :, :keys_end],
+                        session_values[:, :, :keys_end])
         outputs.append(output.to(dtype))  # [1, 1, heads, head_dim]
     return outputs
+
+
+def _decoding_sdpa(module: torch.nn.Module, keys: torch.Tensor, values: torch.Tensor, **kwargs):
+    """``attend(query [1, heads, 1, dim], keys, values) -> [1, 1, heads, dim]``: what
+    ``transformers.integrations.sdpa_attention.sdpa_attention_forward`` computes for one query
+    and no mask — ``scaled_dot_product_attention`` with GQA where the module has key groups, not
+    causal, then the heads moved before the dim — called directly. Where the wrapper would take
+    another route (key and value dims differ or exceed 256, forced GQA, dropout), the wrapper."""
+    sdpa = ALL_ATTENTION_FUNCTIONS[_BASE]
+    groups = getattr(module, "num_key_value_groups", 1)
+    direct = (keys.shape[-1] == values.shape[-1] <= 256 and not kwargs.get("dropout")
+              and os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA", "0") != "1")
+    if not direct:
+        return lambda query, keys, values: sdpa(module, query, keys, values, None, **kwargs)[0]
+    scale = kwargs.get("scaling")
+    if groups > 1:
+        return lambda query, keys, values: torch.nn.functional.scaled_dot_product_attention(
+            query, keys, values, attn_mask=None, dropout_p=0.0, scale=scale, is_causal=False,
+            enable_gqa=True).transpose(1, 2)
+    return lambda query, keys, values: torch.nn.functional.scaled_dot_product_attention(
+        query, keys, values, attn_mask=None, dropout_p=0.0, scale=scale, is_causal=False).transpose(1, 2)
 
 
 def lean_decoder_for(model: torch.nn.Module) -> lean_decoder.LeanDecoder | None:
