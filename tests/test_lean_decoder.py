@@ -142,3 +142,26 @@ def test_other_architectures_run_the_hf_forward():
     model.config.hidden_act = "gelu"
     assert "activation" in lean_decoder.unsupported_reason(model)
     assert lean_decoder_for(prepared(model)) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("groups", [1, 3])
+def test_the_direct_one_query_attention_is_the_wrapper_s_call(dtype, groups):
+    """The reference attention calls sdpa itself: the bits of transformers' sdpa wrapper for
+    one query without a mask, with and without key groups."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from disco.engines.packed_forward import _decoding_sdpa
+
+    class Module(torch.nn.Module):
+        num_key_value_groups = groups
+        is_causal = True
+
+    generator = torch.Generator().manual_seed(groups)
+    query = torch.randn(1, 2 * groups, 1, 64, generator=generator).to(dtype)
+    keys, values = (torch.randn(1, 2, 37, 64, generator=generator).to(dtype) for _ in range(2))
+    module = Module()
+    wrapper, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, keys, values, None, dropout=0.0, scaling=0.11)
+    direct = _decoding_sdpa(module, keys, values, dropout=0.0, scaling=0.11)(query, keys, values)
+    assert direct.shape == wrapper.shape == (1, 1, 2 * groups, 64)
+    assert torch.equal(direct, wrapper)
