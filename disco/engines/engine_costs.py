@@ -266,14 +266,20 @@ def measure_cost_model(target_model: torch.nn.Module, draft_model: torch.nn.Modu
                                         extra={"repeats": repeats, "prompt_len": prompt_len, "timed_k": ks})
 
 
+#: The engines' forward as costs were timed on it: "lean1" is the lean decoder (issue 39), whose
+#: forwards cost less than the HF decoder's the earlier cache files timed.
+FORWARD_VERSION = "lean1"
+
+
 def costs_path(home: Path, fingerprint: str, engine: str, device: str, threads: int) -> Path:
     """The cache file of one (model, engine, device, threads) combination; the int4 engine's
     name carries the kernel it runs here (:func:`disco.models.q4q8.choose_kernel`), so costs
-    timed on the other kernel are not read back."""
+    timed on the other kernel are not read back, and every name carries the forward's
+    version (:data:`FORWARD_VERSION`), so costs timed on an older forward are not either."""
     safe_device = device.replace(":", "")
     if engine == "int4" and device.startswith("cpu"):
         engine = f"{engine}-{q4q8.choose_kernel(home).kernel}"
-    return home / COSTS_DIR / f"{fingerprint}-{engine}-{safe_device}-t{threads}.json"
+    return home / COSTS_DIR / f"{fingerprint}-{engine}-{safe_device}-t{threads}-{FORWARD_VERSION}.json"
 
 
 def read_cached(home: Path, fingerprint: str, engine: str, device: str, threads: int,
