@@ -195,3 +195,35 @@ def test_a_saved_folder_loads_onto_cuda_offline_without_hub_kernels(tiny_pair_di
     sequence = CachedSequence(loaded.model, [1, 2, 3])
     logits, _ = sequence.forward(3)
     assert logits.shape[0] == 3 and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_lean_decoder_runs_on_cuda_with_the_hf_forward_s_bits(target_model, dtype):
+    """The lean decode path on CUDA (issue 39): the model's check passes there (else it would
+    fall back to the HF forward), and packed forwards — a prefill, decoding, a 4-token block,
+    two sessions at once — give the HF forward's logits bit for bit (the one-call attention plan)."""
+    from disco.engines.packed_forward import SessionRows, lean_decoder_for, packed_forward, supports_packing
+    from disco.engines.static_kv import PreallocatedCache
+
+    model = on_cuda(target_model, dtype)
+    if dtype != torch.float32:
+        row_stable.stabilize_norms(model)
+        row_stable.stabilize(model)
+    assert supports_packing(model)
+    lean = lean_decoder_for(model)
+    assert lean is not None, "the lean decoder's check failed on CUDA (see the log)"
+    prompts = [[5, 17, 99, 3, 250, 8, 41], [300, 2, 2, 77, 9, 9]]
+
+    def run(forward) -> list[torch.Tensor]:
+        caches = [PreallocatedCache.for_model(model, 32) for _ in prompts]
+        packed_forward(model, [SessionRows(c, 0, p[:-1], 0) for c, p in zip(caches, prompts)], lean=forward)
+        lengths = [len(p) - 1 for p in prompts]
+        out = []
+        for tokens in ([[41], [9]], [[7, 8, 9, 10], [11]]):
+            rows = [SessionRows(c, n, t, len(t)) for c, n, t in zip(caches, lengths, tokens)]
+            out.extend(logits for logits, _ in packed_forward(model, rows, lean=forward))
+            lengths = [n + len(t) for n, t in zip(lengths, tokens)]
+        return out
+
+    for got, expected in zip(run(lean), run(False)):
+        assert torch.equal(got, expected)
