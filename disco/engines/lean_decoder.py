@@ -30,6 +30,7 @@ one it knows.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -43,6 +44,10 @@ from disco.models.weight_only import dense_spans_active
 #: attention with optional q/k/v biases, SwiGLU MLP, no sliding window).
 ARCHITECTURES = ("qwen2", "llama")
 _NORM_CLASSES = ("Qwen2RMSNorm", "LlamaRMSNorm")
+
+#: One layer's attention: ``(attention module, query [1, heads, rows, dim], key, value [1, kv_heads,
+#: rows, dim]) -> [1, rows, heads, dim]``; it also stores the new keys and values in its caches.
+Attention = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -224,6 +229,20 @@ class LeanDecoder:
         """The last hidden states ``[1, rows, hidden]`` (after the final norm); extends every
         session's cache in place, as the HF decoder does through the packed cache."""
         attend = ALL_ATTENTION_FUNCTIONS[self.model.config._attn_implementation]  # the packed forward's attention
+
+        def packed(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+            key, value = packed_cache.update(key, value, module.layer_idx)
+            attended, _ = attend(module, query, key, value, None, packed_cache=packed_cache, dropout=0.0,
+                                 scaling=module.scaling)
+            return attended
+
+        return self.run(input_ids, position_ids, packed)
+
+    def run(self, input_ids: torch.Tensor,  # [1, rows]
+            position_ids: torch.Tensor,  # [1, rows]
+            attention: Attention) -> torch.Tensor:  # [1, rows, hidden]
+        """The layers over ``input_ids`` with ``attention`` (which stores the keys and values
+        where its caches live and returns ``[1, rows, heads, head_dim]``); the last hidden states."""
         hidden = self.decoder.embed_tokens(input_ids)  # [1, rows, hidden]
         cos, sin = self.decoder.rotary_emb(hidden, position_ids)  # each [1, rows, head_dim]
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [1, rows, 1, head_dim]: heads in dim 2
@@ -241,11 +260,8 @@ class LeanDecoder:
                                        layer.k_proj(states).view(1, rows, kv_heads, dim)], dim=2)
                 value = layer.v_proj(states).view(1, rows, kv_heads, dim)
             query_key = (query_key * cos) + (_rotate_half(query_key) * sin)
-            query = query_key[:, :, :heads].transpose(1, 2)  # [1, heads, rows, dim]
-            key = query_key[:, :, heads:].transpose(1, 2)  # [1, kv_heads, rows, dim]
-            key, value = packed_cache.update(key, value.transpose(1, 2), layer.attention.layer_idx)
-            attended, _ = attend(layer.attention, query, key, value, None, packed_cache=packed_cache,
-                                           dropout=0.0, scaling=layer.attention.scaling)
+            attended = attention(layer.attention, query_key[:, :, :heads].transpose(1, 2),  # [1, heads, rows, dim]
+                                 query_key[:, :, heads:].transpose(1, 2), value.transpose(1, 2))  # [1, kv_heads, rows, dim]
             hidden = hidden + _project(layer.o_proj, fuse and layer.o_direct,
                                        attended.reshape(1, rows, heads * dim).contiguous())
             states = _rms_norm(layer.post_norm, hidden)

@@ -1,0 +1,213 @@
+"""Fixed-shape decoding and verification over static per-slot KV caches: the forward a CUDA
+graph can capture (issue 40, items 1 and 6; eager on the CPU, the same buffers and buckets).
+
+A CUDA graph replays fixed kernels on fixed addresses: no tensor may move, no shape may
+depend on the data, nothing may read a value back to the host. The packed forward
+(:mod:`disco.engines.packed_forward`) breaks all three (per-session caches of their own
+lengths, a row of ``sum(k_i)`` tokens, Python loops over sessions). Here:
+
+* **Static caches** (:class:`StaticCaches`): per layer one key and one value buffer
+  ``[slots, kv_heads, capacity, head_dim]`` allocated once; a session owns a *slot*, its
+  length is a host integer (rolling back a rejected block is setting it). Prefills stay on the
+  packed path; :meth:`StaticCaches.load` copies a prefilled session's cache into its slot.
+* **Buckets** (:class:`Bucket`): a step runs slots ``0 .. sessions-1`` with ``block`` query
+  tokens each, both rounded up to :data:`SESSION_BUCKETS` / :data:`BLOCK_BUCKETS` (vLLM and
+  SGLang pad a batch to the next captured size the same way). A slot without tokens this step,
+  and the tokens past a session's own block, are padding: their keys and values land past the
+  slot's length (never read, overwritten by the next real write) and their logits are dropped.
+  So the caller keeps live sessions in the low slots.
+* **One attention call per layer**: every (slot, query) is one row of the one-call layout of
+  :mod:`disco.engines.varlen_attention` — a slot's queries ride in the head dimension, each
+  attends its slot's keys up to its own position, over the whole capacity (masked keys add exact
+  zeros) — built from the lengths tensor on the device, so the step reads nothing back.
+* **The lean decoder's layers** (:mod:`disco.engines.lean_decoder`): the same projections,
+  norms and rotary, over ``sessions x block`` rows.
+
+Exactness is the packed forward's under the one-call plan: a query's bits depend on its own
+row and its own keys only (the row plans of the linears; the attention's items and heads are
+independent; key padding adds exact zeros), so a session gets the same logits in any bucket,
+alone or with others, and a verified block gives decoding's logits (``tests/test_static_step.py``
+compares with the packed forward bit for bit on a CPU). NOTE: on CUDA this path has not run yet;
+the one-call plan there repeats the keys per query head (the memory-efficient kernel takes no
+GQA with a mask), which over a whole capacity is ``block x group`` copies per layer: the GPU
+session measures it and may choose queries in rows instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from disco.engines.lean_decoder import LeanDecoder
+from disco.engines.static_kv import PreallocatedCache
+from disco.engines.varlen_attention import KEY_GRANULE, AttentionPlan, additive_bias
+from disco.errors import InvalidRequest
+
+#: Batch sizes a step is padded to (CUDA graphs are captured per size).
+SESSION_BUCKETS = (1, 2, 4, 8, 16, 32)
+#: Tokens per slot a step is padded to: 1 (decoding) up to the default lookahead cap's block of 21.
+BLOCK_BUCKETS = (1, 2, 4, 8, 16, 24)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """The shape of one step: slots ``0 .. sessions-1``, ``block`` tokens each."""
+
+    sessions: int
+    block: int
+
+    @property
+    def rows(self) -> int:
+        return self.sessions * self.block
+
+
+def bucket_for(slots: int, block: int) -> Bucket:
+    """The smallest bucket holding slots ``0 .. slots-1`` and blocks of ``block`` tokens."""
+    sessions = next((size for size in SESSION_BUCKETS if size >= slots), None)
+    width = next((size for size in BLOCK_BUCKETS if size >= block), None)
+    if sessions is None or width is None:
+        raise InvalidRequest(f"no bucket holds {slots} slots and blocks of {block} tokens "
+                             f"(at most {SESSION_BUCKETS[-1]} and {BLOCK_BUCKETS[-1]})")
+    return Bucket(sessions, width)
+
+
+class StaticCaches:
+    """Every slot's keys and values, allocated once (module doc).
+
+    Args:
+        model: the model whose layers fill the caches (its device and dtype).
+        slots: sessions the caches hold at once.
+        capacity: positions per slot (rounded up to :data:`KEY_GRANULE`); a slot's length plus
+            the step's block must fit.
+    """
+
+    def __init__(self, model: torch.nn.Module, slots: int, capacity: int) -> None:
+        config = model.config.get_text_config(decoder=True)
+        heads = int(config.num_attention_heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        embedding = model.get_input_embeddings().weight
+        self.capacity = -(-capacity // KEY_GRANULE) * KEY_GRANULE
+        shape = (slots, kv_heads, self.capacity, head_dim)
+        layers = int(config.num_hidden_layers)
+        self.keys = [torch.zeros(shape, dtype=embedding.dtype, device=embedding.device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=embedding.dtype, device=embedding.device) for _ in range(layers)]
+        self.lengths = [0] * slots  # positions each slot's cache holds (the host's truth)
+
+    @property
+    def slots(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of all buffers (what the KV budget must count)."""
+        return sum(buffer.numel() * buffer.element_size() for buffer in (*self.keys, *self.values))
+
+    def load(self, slot: int, cache: PreallocatedCache, length: int) -> None:
+        """Copy the first ``length`` positions of a (prefilled) packed-path cache into ``slot``."""
+        if length > self.capacity:
+            raise InvalidRequest(f"{length} positions do not fit a slot of {self.capacity}")
+        for layer, (keys, values) in enumerate(zip(self.keys, self.values)):
+            keys[slot, :, :length] = cache.layers[layer].keys[0, :, :length]
+            values[slot, :, :length] = cache.layers[layer].values[0, :, :length]
+        self.lengths[slot] = length
+
+
+@dataclass(frozen=True)
+class SlotRows:
+    """One slot's part of a step: the tokens to feed after its cached positions."""
+
+    slot: int
+    tokens: Sequence[int]
+
+
+class StaticStep:
+    """The fixed-shape forward of one bucket over :class:`StaticCaches`: its inputs live in
+    buffers of their own (``tokens``, ``lengths``), :meth:`compute` reads only those (what a CUDA
+    graph captures), :meth:`forward` fills them and returns each slot's logits.
+
+    ``plan``: how the one attention call runs (:data:`~disco.engines.varlen_attention.ONE_CALL_CPU`
+    on a CPU, :data:`~disco.engines.varlen_attention.ONE_CALL_CUDA` on CUDA); must be a one-call plan.
+    """
+
+    def __init__(self, lean: LeanDecoder, caches: StaticCaches, bucket: Bucket, plan: AttentionPlan) -> None:
+        if not plan.one_call:
+            raise InvalidRequest("the static step attends in one call per layer: a one-call plan is needed")
+        if bucket.sessions > caches.slots:
+            raise InvalidRequest(f"a bucket of {bucket.sessions} sessions over {caches.slots} slots")
+        self.lean, self.caches, self.bucket, self.plan = lean, caches, bucket, plan
+        device = caches.keys[0].device
+        self.tokens = torch.zeros(bucket.sessions, bucket.block, dtype=torch.long, device=device)
+        self.lengths = torch.zeros(bucket.sessions, dtype=torch.long, device=device)
+        self._offsets = torch.arange(bucket.block, device=device)  # [block]
+        self._slot_of_row = torch.arange(bucket.sessions, device=device)[:, None].expand(-1, bucket.block)
+        self._key_slots = torch.arange(caches.capacity, device=device)  # [capacity]
+
+    @torch.inference_mode()
+    def forward(self, rows: Sequence[SlotRows]) -> list[torch.Tensor]:
+        """Feed each slot's tokens (slots below the bucket's size, at most ``block`` tokens
+        each); returns per slot its logits ``[len(tokens), vocab]`` (float32). The caches'
+        lengths are not advanced: the caller commits what it keeps (``caches.lengths[slot]``)."""
+        block, lengths = self.bucket.block, self.caches.lengths
+        tokens = [[0] * block for _ in range(self.bucket.sessions)]
+        for row in rows:
+            if not 0 <= row.slot < self.bucket.sessions or not 1 <= len(row.tokens) <= block:
+                raise InvalidRequest(f"slot {row.slot} with {len(row.tokens)} tokens does not fit the bucket "
+                                     f"{self.bucket}")
+            tokens[row.slot][: len(row.tokens)] = row.tokens
+        needed = max(lengths[: self.bucket.sessions]) + block
+        if needed > self.caches.capacity:
+            raise InvalidRequest(f"a step of {block} tokens after {needed - block} positions passes the slots' "
+                                 f"capacity of {self.caches.capacity}")
+        self.tokens.copy_(torch.tensor(tokens, dtype=torch.long))
+        self.lengths.copy_(torch.tensor(lengths[: self.bucket.sessions], dtype=torch.long))
+        logits = self.compute()  # [sessions, block, vocab]
+        return [logits[row.slot, : len(row.tokens)].float() for row in rows]
+
+    def compute(self) -> torch.Tensor:  # [sessions, block, vocab] in the head's dtype
+        """The step from the input buffers alone (no host value read, fixed shapes)."""
+        positions = self.lengths[:, None] + self._offsets  # [sessions, block]
+        layout = self._layout(positions)
+        hidden = self.lean.run(self.tokens.reshape(1, -1), positions.reshape(1, -1),
+                               lambda module, query, key, value: self._attend(module, query, key, value,
+                                                                              positions, *layout))
+        logits = self.lean.model.get_output_embeddings()(hidden[0])  # [rows, vocab]
+        return logits.view(self.bucket.sessions, self.bucket.block, -1)
+
+    def _layout(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The one call's mask ``[sessions, kv_heads * block * group, 1, capacity]`` (query t of a
+        slot sees its keys up to its own position) and, for the memory-efficient kernel, its bias."""
+        lean, bucket = self.lean, self.bucket
+        group = lean.heads // lean.kv_heads
+        visible = self._key_slots <= positions[:, :, None]  # [sessions, block, capacity]
+        mask = visible[:, None, :, None, :].expand(bucket.sessions, lean.kv_heads, bucket.block, group, -1)
+        mask = mask.reshape(bucket.sessions, lean.kv_heads * bucket.block * group, 1, self.caches.capacity)
+        dtype = self.plan.compute_dtype or self.caches.keys[0].dtype
+        return mask, additive_bias(mask, dtype) if self.plan.memory_efficient else None
+
+    def _attend(self, module: torch.nn.Module, query: torch.Tensor,  # [1, heads, rows, dim]
+                key: torch.Tensor, value: torch.Tensor,  # [1, kv_heads, rows, dim]
+                positions: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Store the step's keys and values at their positions in the slots, then one call."""
+        lean, bucket, plan = self.lean, self.bucket, self.plan
+        sessions, block, kv_heads, dim = bucket.sessions, bucket.block, lean.kv_heads, lean.head_dim
+        group = lean.heads // kv_heads
+        layer = module.layer_idx
+        slot_keys, slot_values = self.caches.keys[layer], self.caches.values[layer]
+        # [1, kv_heads, rows, dim] -> [sessions, block, kv_heads, dim], written at [slot, :, position]
+        slot_keys[self._slot_of_row, :, positions] = key[0].transpose(0, 1).reshape(sessions, block, kv_heads, dim)
+        slot_values[self._slot_of_row, :, positions] = value[0].transpose(0, 1).reshape(sessions, block, kv_heads, dim)
+        dtype = plan.compute_dtype or query.dtype
+        # A slot's queries ride in the head dimension, kv-head-major (varlen_attention.QueryLayout).
+        items = query[0].view(kv_heads, group, sessions, block, dim).permute(2, 0, 3, 1, 4)
+        items = items.reshape(sessions, kv_heads * block * group, 1, dim).to(dtype)
+        keys, values = slot_keys[:sessions].to(dtype), slot_values[:sessions].to(dtype)
+        if not plan.kernel_gqa and block * group > 1:
+            keys = keys.repeat_interleave(block * group, dim=1)
+            values = values.repeat_interleave(block * group, dim=1)
+        output = plan.attend(items, keys, values, mask, module.scaling,
+                             plan.kernel_gqa and block * group > 1, bias)  # [sessions, call_heads, 1, dim]
+        output = output.view(sessions, kv_heads, block, group, dim).permute(0, 2, 1, 3, 4)
+        return output.reshape(1, sessions * block, kv_heads * group, dim).to(query.dtype)
