@@ -227,3 +227,41 @@ def test_the_lean_decoder_runs_on_cuda_with_the_hf_forward_s_bits(target_model, 
 
     for got, expected in zip(run(lean), run(False)):
         assert torch.equal(got, expected)
+
+
+def test_static_step_graphs_replay_the_eager_step_s_bits_on_cuda(target_model):
+    """Issue 40: the static step of a bucket, captured as a CUDA graph, gives the eager step's
+    logits bit for bit, and both give the packed forward's under the CUDA one-call plan."""
+    from disco.engines.cuda_graphs import capture_buckets
+    from disco.engines.packed_forward import SessionRows, lean_decoder_for, packed_forward, supports_packing
+    from disco.engines.static_kv import PreallocatedCache
+    from disco.engines.static_step import Bucket, SlotRows, StaticCaches, StaticStep
+    from disco.engines.varlen_attention import ONE_CALL_CUDA
+
+    model = on_cuda(target_model, torch.bfloat16)
+    row_stable.stabilize_norms(model)
+    row_stable.stabilize(model)
+    assert supports_packing(model)
+    lean = lean_decoder_for(model)
+    assert lean is not None
+    buckets = [Bucket(1, 1), Bucket(2, 4), Bucket(4, 8)]
+    eager_caches, graph_caches = StaticCaches(model, 4, 128), StaticCaches(model, 4, 128)
+    graphed, report = capture_buckets([StaticStep(lean, graph_caches, bucket, ONE_CALL_CUDA) for bucket in buckets])
+    assert report.graphs == 3 and set(graphed) == set(buckets)
+    prompts = [[5, 17, 99, 3, 250, 8, 41], [300, 2, 2, 77, 9, 9, 9, 9, 1]]
+    packed_caches = [PreallocatedCache.for_model(model, 128) for _ in prompts]
+    packed_forward(model, [SessionRows(c, 0, p, 0) for c, p in zip(packed_caches, prompts)], ONE_CALL_CUDA)
+    for slot, (cache, prompt) in enumerate(zip(packed_caches, prompts)):
+        eager_caches.load(slot, cache, len(prompt))
+        graph_caches.load(slot, cache, len(prompt))
+    for bucket, blocks in ((buckets[0], [[4]]), (buckets[1], [[1, 2, 3], [4]]), (buckets[2], [[7] * 8, [1, 2]])):
+        rows = [SlotRows(slot, block) for slot, block in enumerate(blocks)]
+        eager = StaticStep(lean, eager_caches, bucket, ONE_CALL_CUDA).forward(rows)
+        replayed = graphed[bucket].forward(rows)
+        packed = [logits for logits, _ in packed_forward(
+            model, [SessionRows(c, len(p), b, len(b)) for c, p, b in zip(packed_caches, prompts, blocks)],
+            ONE_CALL_CUDA)]
+        for cache, block in zip(packed_caches, blocks):
+            cache.crop(-len(block))
+        for got, expected, reference in zip(replayed, eager, packed):
+            assert torch.equal(got, expected) and torch.equal(expected, reference), bucket

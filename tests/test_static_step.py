@@ -135,3 +135,13 @@ def test_buckets_round_up_and_refuse_what_does_not_fit(model):
         step.forward([SlotRows(0, [1, 2])])
     # keys and values x 2 layers x 8 slots x 2 KV heads x 64 positions x head_dim 16
     assert sessions.static.nbytes == 2 * 2 * 8 * 2 * 64 * 16 * model.get_input_embeddings().weight.element_size()
+
+
+def test_graph_capture_is_refused_for_a_cpu_step(model):
+    from disco.engines.cuda_graphs import GraphedStep, capture_buckets
+
+    sessions = Sessions(model, PROMPTS[:1], slots=[0], capacity=64)
+    step = StaticStep(lean_decoder_for(model), sessions.static, Bucket(1, 1), ONE_CALL_CPU)
+    with pytest.raises(ValueError, match="need a CUDA step"):
+        GraphedStep(step)
+    assert capture_buckets([])[1].graphs == 0

@@ -8,7 +8,10 @@
 #   C  disco models calibrate on CUDA (target forward over 1..13 new tokens, draft per token) (120 s)
 #   D  disco bench-concurrency none / static:3 at 1, 8, 32 sessions over gRPC               (180 s)
 #   E  docs/analysis/cuda_exactness.py (where a row gets other bits: linears, attention)    (200 s)
-# STEPS=ABCD (the default) selects steps; A-D take about 6-7 minutes on an H200. E_PARTS picks E's parts.
+#   F  docs/analysis/static_step_speed.py: the static step (issue 40), eager against its CUDA graphs,
+#      by bucket, for both architectures; capture time and memory                          (180 s)
+# STEPS=ABCD (the default) selects steps; A-D take about 6-7 minutes on an H200. E_PARTS picks E's parts;
+# F_BUCKETS F's buckets (sessions x block).
 # Without a CUDA device it stops at once with exit code 2 and says why.
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
@@ -59,4 +62,9 @@ if step E; then
   echo "== E exactness analysis"; timeout 200 python3 docs/analysis/cuda_exactness.py --out "$OUT/E_cuda_exactness.json" \
     --parts "${E_PARTS:-linears,linear_ms,attention,model}" \
     > "$OUT/E_cuda_exactness.log" 2>&1; echo "rc=$?"; grep -v "^ " "$OUT/E_cuda_exactness.log" | tail -5
+fi
+if step F; then
+  echo "== F static step and CUDA graphs"; timeout 180 python3 docs/analysis/static_step_speed.py \
+    --buckets "${F_BUCKETS:-1x1,1x4,1x8,8x1,8x4,32x1,32x4}" --json "$OUT/F_static_step.json" \
+    > "$OUT/F_static_step.log" 2>&1; echo "rc=$?"; grep -v "INFO" "$OUT/F_static_step.log" | tail -16
 fi

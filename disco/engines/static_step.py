@@ -150,6 +150,11 @@ class StaticStep:
         """Feed each slot's tokens (slots below the bucket's size, at most ``block`` tokens
         each); returns per slot its logits ``[len(tokens), vocab]`` (float32). The caches'
         lengths are not advanced: the caller commits what it keeps (``caches.lengths[slot]``)."""
+        self.fill(rows)
+        return self.read(self.compute(), rows)
+
+    def fill(self, rows: Sequence[SlotRows]) -> None:
+        """Check the rows and copy them, and every slot's length, into the input buffers."""
         block, lengths = self.bucket.block, self.caches.lengths
         tokens = [[0] * block for _ in range(self.bucket.sessions)]
         for row in rows:
@@ -161,9 +166,12 @@ class StaticStep:
         if needed > self.caches.capacity:
             raise InvalidRequest(f"a step of {block} tokens after {needed - block} positions passes the slots' "
                                  f"capacity of {self.caches.capacity}")
-        self.tokens.copy_(torch.tensor(tokens, dtype=torch.long))
-        self.lengths.copy_(torch.tensor(lengths[: self.bucket.sessions], dtype=torch.long))
-        logits = self.compute()  # [sessions, block, vocab]
+        self.tokens.copy_(torch.tensor(tokens, dtype=torch.long), non_blocking=True)
+        self.lengths.copy_(torch.tensor(lengths[: self.bucket.sessions], dtype=torch.long), non_blocking=True)
+
+    @staticmethod
+    def read(logits: torch.Tensor,  # [sessions, block, vocab]
+             rows: Sequence[SlotRows]) -> list[torch.Tensor]:
         return [logits[row.slot, : len(row.tokens)].float() for row in rows]
 
     def compute(self) -> torch.Tensor:  # [sessions, block, vocab] in the head's dtype
