@@ -154,3 +154,20 @@ def test_records_cache_round_trip_and_resume(tmp_path, target_model, drafts, tok
 def test_policy_ranges_expand():
     assert expand_policies("static:1-3,oracle") == ["static:1", "static:2", "static:3", "oracle"]
     assert expand_policies("confidence:0.2-0.6/0.2") == ["confidence:0.2", "confidence:0.4", "confidence:0.6"]
+
+
+def test_replayed_auto_runs_target_only_where_no_lookahead_pays(records):
+    """``auto`` is replayed as the loop serves it: where a draft token costs more than a target
+    forward (the eager H200 measured 46 ms against 31-37 ms) no lookahead pays, so every request
+    runs target-only and the row equals ``none``; with cheap drafts it speculates."""
+    from disco.offline.replay import replay_report
+    from disco.speculation.policies.auto import as_served
+
+    dear = CostModel(t_draft=0.046, t_verify=(0.037, 0.037, 0.034, 0.030, 0.031))
+    cheap = CostModel(t_draft=0.002, t_verify=(0.0032,))
+    assert as_served("auto", dear, LOOKAHEAD) == "none" and as_served("auto", cheap, LOOKAHEAD).startswith("auto:")
+    assert as_served("static:3", dear, LOOKAHEAD) == "static:3"
+    rows = {row["policy"]: row for row in replay_report(records, ["none", "auto", "static:1"], dear, LOOKAHEAD)["rows"]}
+    assert rows["auto"]["speedup"] == rows["none"]["speedup"] == 1.0 and rows["static:1"]["speedup"] < 1.0
+    cheap_rows = {row["policy"]: row for row in replay_report(records, ["none", "auto"], cheap, LOOKAHEAD)["rows"]}
+    assert cheap_rows["auto"]["draft_tokens"] > 0

@@ -32,7 +32,7 @@ from disco.errors import InvalidRequest
 from disco.offline.records import OracleRecord, RecordSet
 from disco.speculation.cost_model import CostModel
 from disco.speculation.policies import Decision, PolicyFactory, StopPolicy, block_budget, parse_policy_spec
-from disco.speculation.policies.auto import with_costs
+from disco.speculation.policies.auto import as_served
 from disco.speculation.policies.simple import OraclePolicy
 from disco.speculation.signals import TokenSignals
 from disco.stats import RequestStats
@@ -233,8 +233,8 @@ def replay_report(records: RecordSet, policies: Iterable[str], cost: CostModel,
                   max_lookahead: int = DEFAULT_REPLAY_LOOKAHEAD, honor_eos: bool = True) -> dict:
     """The ``disco replay`` JSON: cost model, data description and one row per policy."""
     baseline = target_only_seconds(records, cost, honor_eos)
-    rows = [summarize(replay_policy(records, with_costs(spec, cost), max_lookahead, honor_eos, name=spec), cost,
-                      baseline)
+    rows = [summarize(replay_policy(records, as_served(spec, cost, max_lookahead), max_lookahead, honor_eos,
+                                    name=spec), cost, baseline)
             for spec in policies]
     return {"cost_model": cost.to_json(),
             "records": {"dataset": records.meta.get("dataset"), "prompts": len(records.records),

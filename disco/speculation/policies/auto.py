@@ -214,6 +214,15 @@ def with_costs(spec: str, cost: CostModel | None) -> str:
     return f"auto:{encode_costs(cost)}" if spec == "auto" else f"{spec}@{encode_costs(cost)}"
 
 
+def as_served(spec: str, cost: CostModel | None, max_lookahead: int) -> str:
+    """The spec one request runs, as the loop resolves it (:meth:`SpeculativeGenerator.resolve_auto`):
+    a bare ``auto`` where no lookahead can pay by ``cost`` is ``none`` (target-only: ``auto`` never
+    runs below it), else :func:`with_costs`. ``disco replay`` replays ``auto`` this way."""
+    if spec == "auto" and cost is not None and not speculation_pays(cost, max_lookahead):
+        return "none"
+    return with_costs(spec, cost)
+
+
 def reads_costs(spec: str) -> bool:
     """Whether ``spec`` takes the deployment's costs (:func:`with_costs`), so that they are
     worth measuring for it: a bare ``auto`` or ``disco:PATH``."""
