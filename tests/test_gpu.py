@@ -265,3 +265,33 @@ def test_static_step_graphs_replay_the_eager_step_s_bits_on_cuda(target_model):
             cache.crop(-len(block))
         for got, expected, reference in zip(replayed, eager, packed):
             assert torch.equal(got, expected) and torch.equal(expected, reference), bucket
+
+
+def test_engines_on_the_static_path_with_cuda_graphs_give_target_only_tokens(cuda_bf16_pair, tokenizer):
+    """Issue 40: draft and target engines whose sessions step through captured CUDA graphs
+    (``--static-slots``) give the packed engines' target-only tokens, alone and 8 at once."""
+    from disco.engines.draft import DraftEngine
+    from disco.engines.in_process import make_decode
+    from disco.engines.sessions import SessionLimits
+    from disco.engines.target import TargetEngine
+    from disco.speculation.loop import SpeculativeGenerator
+    from disco.speculation.policies import PolicyFactory
+    from tests.helpers import EOS_ID, generate_at_once
+
+    target, draft = (copy.deepcopy(model) for model in cuda_bf16_pair)
+    for model in (target, draft):
+        row_stable.stabilize_norms(model)
+        row_stable.stabilize(model)
+    limits = SessionLimits(static_slots=4, static_capacity=256)
+    static = SpeculativeGenerator(DraftEngine(draft, PolicyFactory(), limits), TargetEngine(target, limits),
+                                  make_decode(tokenizer), (EOS_ID,))
+    assert static.verifier.static.graphed and static.drafter.static.graphed
+    packed = local_generator(target, draft, tokenizer)
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    reference = packed.generate(ids, greedy(), SpeculationConfig(policy="none")).token_ids
+    for policy in ("none", "static:1", "static:4", "heuristic:2"):
+        assert static.generate(ids, greedy(), SpeculationConfig(policy=policy)).token_ids == reference, policy
+    jobs = [(tokenizer(PROMPTS[i % len(PROMPTS)])["input_ids"], policy)
+            for i, policy in enumerate(["none", "static:4", "heuristic:2", "static:2"] * 2)]
+    solo = [packed.generate(job_ids, greedy(), SpeculationConfig(policy=policy)).token_ids for job_ids, policy in jobs]
+    assert generate_at_once(static, jobs, greedy()) == solo

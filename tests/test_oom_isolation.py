@@ -27,11 +27,12 @@ BLOCKS = ([5, 6], [7, 8], [9], [10, 11, 12, 13, 14])  # the last one (6 rows) do
 @contextlib.contextmanager
 def out_of_memory_above(model, max_rows: int, error=torch.OutOfMemoryError):
     def hook(module, args, kwargs):
-        hidden = args[0] if args else kwargs["hidden_states"]  # [1, rows, hidden]
+        hidden = args[0] if args else kwargs["input"]  # [1, rows, intermediate]
         if hidden.shape[-2] > max_rows:
             raise error(f"CUDA out of memory. Tried to allocate {hidden.shape[-2]} rows (injected)")
 
-    handle = model.model.layers[1].register_forward_pre_hook(hook, with_kwargs=True)
+    # On a linear of the second layer: the lean decoder calls the layers' linears, not the layers.
+    handle = model.model.layers[1].mlp.down_proj.register_forward_pre_hook(hook, with_kwargs=True)
     try:
         yield
     finally:

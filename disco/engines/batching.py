@@ -44,6 +44,7 @@ from disco.engines.device_clock import now
 from disco.engines.kv import CachedSequence
 from disco.engines.live_costs import LiveCosts
 from disco.engines.packing_proof import verdict_for
+from disco.engines.static_runner import StaticRunner
 from disco.errors import ResourceExhausted, first_line
 
 #: Sessions one packed forward holds at most (the engines' default; the load-time proof's size).
@@ -69,8 +70,10 @@ class ForwardBatcher:
     """
 
     def __init__(self, model: torch.nn.Module, max_batch: int = DEFAULT_MAX_BATCH, max_wait_s: float = 0.02,
-                 wait_fraction: float = 0.05) -> None:
+                 wait_fraction: float = 0.05, static: StaticRunner | None = None) -> None:
+        """``static``: the model's static path; batches of steps of its slotted sessions run there."""
         self.model = model
+        self.static = static
         # Packed only where the model supports it and this machine proves it exact; else one by one.
         self.verdict = verdict_for(model, max(1, max_batch))
         self.packed = self.verdict.packed
@@ -173,6 +176,27 @@ class ForwardBatcher:
         """The batch's forward (model lock held): per request its result or its error, and
         whether the forward ran as planned (no out-of-memory retry, no error)."""
         marks = [request.sequence.cache_len for request in batch]
+        if self.static is not None:
+            sequences = [request.sequence for request in batch]
+            if self.static.can_run(sequences, [r.num_logits for r in batch], [r.want_hidden for r in batch]):
+                try:
+                    return self.static.run(sequences, [r.num_logits for r in batch]), True
+                except BaseException:
+                    for request, mark in zip(batch, marks):
+                        roll_back(request.sequence, mark)
+                    raise
+            by_plan: dict[int, list[int]] = {}  # slotted sessions attend in the static path's plan: apart
+            for index, request in enumerate(batch):
+                by_plan.setdefault(id(request.sequence.plan), []).append(index)
+            if len(by_plan) > 1:
+                outcomes: list = [None] * len(batch)
+                planned = True
+                for indices in by_plan.values():
+                    part, ok = self._forward([batch[i] for i in indices])
+                    planned = planned and ok
+                    for index, outcome in zip(indices, part):
+                        outcomes[index] = outcome
+                return outcomes, planned
         if not self.packed or len(batch) == 1:  # one by one: each request succeeds or fails alone
             outcomes = [self._solo(request, mark) for request, mark in zip(batch, marks)]
             return outcomes, not any(isinstance(outcome, BaseException) for outcome in outcomes)

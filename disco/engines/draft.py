@@ -20,6 +20,7 @@ from disco.engines.device_clock import now_ns
 from disco.engines.kv import CachedSequence
 from disco.engines.predraft import Predraft, can_predraft
 from disco.engines.sessions import KvBudget, SessionLimits, SessionStore
+from disco.engines.static_runner import static_runner_for
 from disco.errors import InvalidRequest, ModelError, SessionNotFound
 from disco.interfaces import DraftEvent, DraftSummary, DraftToken, Feedback, PrefillResult
 from disco.speculation.policies import Decision, PolicyFactory, StopPolicy, block_budget
@@ -83,9 +84,11 @@ class DraftEngine:
         if int(model.config.vocab_size) > _EXACT_FLOAT32_INTS:
             raise ModelError(f"a vocabulary of {model.config.vocab_size} tokens: draft token ids travel to the host "
                              f"as float32, exact up to {_EXACT_FLOAT32_INTS}")
+        # The static path's caches and graphs first: on a GPU the derived KV budget then sees them.
+        self.static = static_runner_for(model, limits.static_slots, limits.static_capacity, "draft")
         self.sessions: SessionStore[DraftSession] = SessionStore(limits, kv=KvBudget.for_model(model, limits, "draft"))
         # Concurrent sessions' forwards run as one padded batch (see disco.engines.batching).
-        self.batcher = ForwardBatcher(model, max_batch)
+        self.batcher = ForwardBatcher(model, max_batch, static=self.static)
 
     def start_session(
         self,
@@ -114,6 +117,8 @@ class DraftEngine:
         with self.sessions.admitting(session_id, reserved):
             # The cache is preallocated for what was reserved (its buffers then never move).
             sequence = CachedSequence(self.model, prompt_ids, capacity=reserved + 1)
+            if self.static is not None:
+                self.static.acquire(sequence, reserved + 1)  # a slot when one is free (else the packed path)
             session = DraftSession(
                 sequence=sequence,
                 policy=policy,
@@ -214,6 +219,7 @@ class DraftEngine:
                 return self._adopt_predraft(session, predraft, max_lookahead, start)
             start.miss, start.wasted = predraft.attempted, len(predraft.tokens)
             if predraft.error is not None:  # a forward may have failed half-way: rebuild the cache
+                # A fresh sequence on the packed path (its slot, if it had one, is freed with the old one).
                 session.sequence, rebuilt = CachedSequence(self.model, session.sequence.tokens), True
         sequence = session.sequence
         if feedback is not None:  # on a miss this also drops the guess, the pre-draft and their KV

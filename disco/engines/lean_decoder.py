@@ -19,6 +19,10 @@ loop over the layers, calling only what computes:
   the row's own int8 activations alone, so a fused call gives each channel its own layer's bits.
   Rows of a long prefill block (dense spans) run through the separate layers, as in HF.
 
+It calls the layers' linear modules (and norms other than HF's RMSNorm), not the decoder
+layers or attention modules themselves: hooks registered on those do not run on this path
+(hooks on the linears do).
+
 The promise is **bit identity with the HF forward** — so every exactness proof of the packed
 forward (row plans, a verified block equals decoding, the start-up packing proof) holds for
 it. :func:`disco.engines.packed_forward.lean_decoder_for` checks that promise once per model (a

@@ -51,10 +51,17 @@ class SessionLimits:
     max_sessions: int = 64
     idle_ttl_s: float = 600.0  # a session unused this long is freed
     max_kv_bytes: int = 0  # KV-cache bytes all sessions together may hold; 0: derived from memory
+    # The static path (disco.engines.static_runner): sessions with a slot of its static caches
+    # step through bucketed fixed-shape forwards (CUDA graphs on a GPU); 0 slots: off.
+    static_slots: int = 0
+    static_capacity: int = 4096  # positions per slot (a session's prompt + max_new_tokens + 24 must fit)
 
     def __post_init__(self) -> None:
         if self.max_kv_bytes < 0:
             raise InvalidRequest(f"max_kv_bytes must be >= 0 (0: derived), got {self.max_kv_bytes}")
+        if self.static_slots < 0 or self.static_capacity < 64:
+            raise InvalidRequest(f"static_slots must be >= 0 and static_capacity >= 64, got {self.static_slots} "
+                                 f"and {self.static_capacity}")
 
 
 def kv_bytes_per_token(model: torch.nn.Module) -> int:

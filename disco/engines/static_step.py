@@ -78,7 +78,7 @@ class StaticCaches:
 
     Args:
         model: the model whose layers fill the caches (its device and dtype).
-        slots: sessions the caches hold at once.
+        slots: sessions the caches hold at once (rounded up to a session bucket).
         capacity: positions per slot (rounded up to :data:`KEY_GRANULE`); a slot's length plus
             the step's block must fit.
     """
@@ -90,6 +90,7 @@ class StaticCaches:
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
         embedding = model.get_input_embeddings().weight
         self.capacity = -(-capacity // KEY_GRANULE) * KEY_GRANULE
+        slots = next((size for size in SESSION_BUCKETS if size >= slots), slots)  # every bucket up to it fits
         shape = (slots, kv_heads, self.capacity, head_dim)
         layers = int(config.num_hidden_layers)
         self.keys = [torch.zeros(shape, dtype=embedding.dtype, device=embedding.device) for _ in range(layers)]

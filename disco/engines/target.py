@@ -19,6 +19,7 @@ from disco.engines.batching import DEFAULT_MAX_BATCH, ForwardBatcher
 from disco.engines.device_clock import now_ns
 from disco.engines.kv import CachedSequence
 from disco.engines.sessions import KvBudget, SessionLimits, SessionStore
+from disco.engines.static_runner import static_runner_for
 from disco.errors import InvalidRequest
 from disco.interfaces import PrefillResult, VerifyResult
 from disco.speculation.sampling import greedy_accept, logits_to_probs, make_generator, rejection_sample
@@ -40,10 +41,12 @@ class TargetEngine:
         self.vocab_size = int(model.config.vocab_size)
         self.max_context = int(getattr(model.config, "max_position_embeddings", 1 << 30))
         self.device = next(model.parameters()).device
+        # The static path's caches and graphs first: on a GPU the derived KV budget then sees them.
+        self.static = static_runner_for(model, limits.static_slots, limits.static_capacity, "target")
         kv = KvBudget.for_model(model, limits, "target")  # after the model is loaded: the derived budget sees it
         self.sessions: SessionStore[TargetSession] = SessionStore(limits, kv=kv)
         # Concurrent sessions' forwards run as one padded batch (see disco.engines.batching).
-        self.batcher = ForwardBatcher(model, max_batch)
+        self.batcher = ForwardBatcher(model, max_batch, static=self.static)
 
     def start_session(
         self, session_id: str, prompt_ids: Sequence[int], sampling: SamplingParams
@@ -63,6 +66,8 @@ class TargetEngine:
         with self.sessions.admitting(session_id, reserved):
             # The cache is preallocated for what was reserved (its buffers then never move).
             sequence = CachedSequence(self.model, prompt_ids, capacity=reserved + 1)
+            if self.static is not None:
+                self.static.acquire(sequence, reserved + 1)  # a slot when one is free (else the packed path)
             session = TargetSession(
                 sequence=sequence,
                 sampling=sampling,

@@ -50,6 +50,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         parser.add_argument("--idle-ttl", type=float, default=SessionLimits.idle_ttl_s,
                             help=f"seconds before an idle session is freed (default {SessionLimits.idle_ttl_s:.0f})")
         add_kv_budget_arg(parser)
+        parser.add_argument("--static-slots", type=int, default=0, metavar="N",
+                            help="sessions on the static path (fixed-shape steps over preallocated per-slot caches, "
+                                 "CUDA graphs captured at start on a GPU; docs/static_step.md); 0: off (default). "
+                                 "NOTE: not yet run on a GPU")
+        parser.add_argument("--static-capacity", type=int, default=SessionLimits.static_capacity, metavar="TOKENS",
+                            help=f"positions per static slot (default {SessionLimits.static_capacity}); a longer "
+                                 "session takes the packed path")
         _add_threads_arg(parser)
         _add_listen_args(parser, PORTS[role])
         add_operations_args(parser)
@@ -165,7 +172,8 @@ def _run_backend(args: argparse.Namespace) -> int:
     config = ModelConfig(spec=args.model, dtype=dtype_from_args(args, args.role), device=args.device)
     config.validate()
     loaded, costs = _load_and_measure(config, args.role, measure=not args.no_engine_costs)
-    limits = SessionLimits(max_sessions=args.max_sessions, idle_ttl_s=args.idle_ttl, max_kv_bytes=args.max_kv_bytes)
+    limits = SessionLimits(max_sessions=args.max_sessions, idle_ttl_s=args.idle_ttl, max_kv_bytes=args.max_kv_bytes,
+                           static_slots=args.static_slots, static_capacity=args.static_capacity)
     options = dict(host=args.host, port=args.port, limits=limits, max_prompt_tokens=args.max_prompt_tokens or None,
                    tls=tls, metrics_port=args.metrics_port, forward_s=costs.forward_s if costs else ())
     if args.role == "draft":

@@ -1,0 +1,178 @@
+"""Sessions on the static path: slots, and batches of steps run as buckets (issue 40, item 2).
+
+A :class:`StaticRunner` owns one model's :class:`~disco.engines.static_step.StaticCaches`.
+A session that takes a slot (:meth:`StaticRunner.acquire`) gets, as its
+:class:`~disco.engines.kv.CachedSequence`'s cache, a :class:`SlotCache`: a
+:class:`~disco.engines.static_kv.PreallocatedCache` whose buffers are *views of its slot*. So
+the packed forward (prefills, batches with a prefill in them) and the static step write the
+same storage, and a session may take either path from one forward to the next: both attend
+in the one-call plan, in which they give the same bits (``tests/test_static_step.py``). The
+runner runs a batch of decoding/verification steps of slotted sessions as the smallest bucket
+that holds them (:meth:`StaticRunner.run`): eagerly, or by replaying the bucket's CUDA graph
+(:meth:`StaticRunner.capture`, at service start).
+
+The batcher (:mod:`disco.engines.batching`) hands a batch to the runner when every request in
+it is such a step (:meth:`StaticRunner.can_run`); anything else (a prefill, hidden states
+asked for, a session without a slot) takes the packed forward as before.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import threading
+import weakref
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from disco.engines.static_kv import PreallocatedCache, PreallocatedLayer
+from disco.engines.static_step import BLOCK_BUCKETS, SESSION_BUCKETS, Bucket, SlotRows, StaticCaches, StaticStep, bucket_for
+from disco.engines.varlen_attention import AttentionPlan
+from disco.errors import ResourceExhausted
+
+if TYPE_CHECKING:
+    from disco.engines.kv import CachedSequence
+
+logger = logging.getLogger(__name__)
+
+
+class SlotLayer(PreallocatedLayer):
+    """A :class:`PreallocatedLayer` over one slot's buffers (views ``[1, kv_heads, capacity,
+    head_dim]``): it never grows (that would leave the slot)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:  # each [1, kv_heads, capacity, head_dim]
+        super().__init__(keys.shape[-2])
+        self._key_buffer, self._value_buffer = keys, values
+        self._length, self.is_initialized, self.device = 0, True, keys.device
+
+    def _grow(self, needed: int) -> None:
+        raise ResourceExhausted(f"a session's cache slot holds {self.capacity} positions; {needed} were asked for")
+
+
+class SlotCache(PreallocatedCache):
+    """A session's cache in slot ``slot`` of ``caches`` (module doc)."""
+
+    def __init__(self, caches: StaticCaches, slot: int) -> None:
+        super().__init__(len(caches.keys), caches.capacity)
+        self.layers = [SlotLayer(keys[slot: slot + 1], values[slot: slot + 1])
+                       for keys, values in zip(caches.keys, caches.values)]
+        self.slot = slot
+
+    def set_length(self, length: int) -> None:
+        for layer in self.layers:
+            layer._length = length
+
+
+class StaticRunner:
+    """Slots and bucketed static steps of one model (module doc).
+
+    Args:
+        lean: the model's lean decoder.
+        slots: sessions on the static path at once (at most the largest session bucket).
+        capacity: positions per slot; a session takes a slot only if its reservation plus the
+            largest block fits.
+        plan: the one-call attention plan (the packed forwards of slotted sessions must use it too).
+    """
+
+    def __init__(self, lean, slots: int, capacity: int, plan: AttentionPlan) -> None:
+        self.lean, self.plan = lean, plan
+        self.caches = StaticCaches(lean.model, min(slots, SESSION_BUCKETS[-1]), capacity)
+        self.steps: dict[Bucket, object] = {}  # StaticStep or GraphedStep, by bucket
+        self._free = list(range(self.caches.slots))
+        self._owners: dict[int, weakref.ref] = {}
+        self._lock = threading.Lock()
+        self.graphed = False
+
+    def describe(self) -> str:
+        how = "CUDA graphs" if self.graphed else "eager"
+        return (f"static path ({how}): {self.caches.slots} slots of {self.caches.capacity} positions, "
+                f"{self.caches.nbytes / 2**20:.0f} MiB of caches")
+
+    def acquire(self, sequence: "CachedSequence", reserved_tokens: int) -> bool:
+        """Give ``sequence`` a slot (its cache becomes the slot's, empty); ``False`` when none
+        is free or its reservation does not fit a slot (it stays on the packed path)."""
+        if reserved_tokens + BLOCK_BUCKETS[-1] > self.caches.capacity or sequence.cache_len:
+            return False
+        with self._lock:
+            if not self._free:
+                return False
+            slot = heapq.heappop(self._free)
+            self._owners[slot] = weakref.ref(sequence)
+        sequence.cache = SlotCache(self.caches, slot)
+        sequence.plan = self.plan
+        weakref.finalize(sequence, self.release, slot)
+        return True
+
+    def release(self, slot: int) -> None:
+        """The slot is free again (the session ended, or its sequence was freed)."""
+        with self._lock:
+            if slot in self._owners:
+                del self._owners[slot]
+                self.caches.lengths[slot] = 0
+                heapq.heappush(self._free, slot)
+
+    def can_run(self, sequences: Sequence["CachedSequence"], num_logits: Sequence[int],
+                want_hidden: Sequence[bool]) -> bool:
+        """Whether this batch is steps the runner takes: slotted sessions, logits asked for
+        (no prefill), no hidden states, blocks within the largest bucket."""
+        return all(isinstance(sequence.cache, SlotCache) and count > 0 and not hidden
+                   and sequence.num_pending <= BLOCK_BUCKETS[-1]
+                   and self._owners.get(sequence.cache.slot, lambda: None)() is sequence
+                   for sequence, count, hidden in zip(sequences, num_logits, want_hidden))
+
+    def run(self, sequences: Sequence["CachedSequence"], num_logits: Sequence[int]
+            ) -> list[tuple[torch.Tensor, None]]:
+        """One bucketed step over the sequences' pending tokens; returns per sequence its
+        logits ``[num_logits, vocab]`` (float32) and advances its cache, as the packed forward does."""
+        with self._lock:
+            for slot, owner in self._owners.items():  # every slot's length: the padding rows write past it
+                sequence = owner()
+                self.caches.lengths[slot] = sequence.cache_len if sequence is not None else 0
+        rows = [SlotRows(sequence.cache.slot, sequence.tokens[sequence.cache_len:]) for sequence in sequences]
+        bucket = bucket_for(max(row.slot for row in rows) + 1, max(len(row.tokens) for row in rows))
+        step = self.steps.get(bucket)
+        if step is None:
+            step = self.steps[bucket] = StaticStep(self.lean, self.caches, bucket, self.plan)
+        logits = step.forward(rows)
+        results = []
+        for sequence, row, count, slot_logits in zip(sequences, rows, num_logits, logits):
+            sequence.cache_len += len(row.tokens)
+            sequence.cache.set_length(sequence.cache_len)
+            results.append((slot_logits[len(row.tokens) - count:], None))
+        return results
+
+    def capture(self, buckets: Sequence[Bucket] | None = None) -> str:
+        """Capture the CUDA graphs of ``buckets`` (default: every bucket the slots allow), before
+        any session holds a slot; returns the report's line."""
+        from disco.engines.cuda_graphs import capture_buckets  # noqa: PLC0415 - CUDA only
+
+        if self._owners:
+            raise RuntimeError("CUDA graphs are captured before any session holds a slot")
+        buckets = buckets or [Bucket(sessions, block) for sessions in SESSION_BUCKETS if sessions <= self.caches.slots
+                              for block in BLOCK_BUCKETS]
+        graphed, report = capture_buckets(StaticStep(self.lean, self.caches, bucket, self.plan) for bucket in buckets)
+        self.steps.update(graphed)
+        self.caches.lengths = [0] * self.caches.slots
+        self.graphed = True
+        return report.describe()
+
+
+def static_runner_for(model: torch.nn.Module, slots: int, capacity: int, role: str) -> StaticRunner | None:
+    """The static path of an engine (``slots`` > 0; its lean decoder needed), its CUDA graphs
+    captured on a GPU; ``None`` where it is off or cannot run (the log says why)."""
+    if slots <= 0:
+        return None
+    from disco.engines.packed_forward import lean_decoder_for  # noqa: PLC0415 - the engines' forward
+    from disco.engines.varlen_attention import ONE_CALL_CPU, ONE_CALL_CUDA  # noqa: PLC0415
+
+    lean = lean_decoder_for(model)
+    if lean is None:
+        logger.warning("%s: no static path (the model has no lean decoder)", role)
+        return None
+    device = next(model.parameters()).device
+    runner = StaticRunner(lean, slots, capacity, ONE_CALL_CPU if device.type == "cpu" else ONE_CALL_CUDA)
+    if device.type == "cuda":
+        logger.info("%s: %s", role, runner.capture())
+    logger.info("%s: %s", role, runner.describe())
+    return runner
