@@ -60,7 +60,7 @@ def test_round_trips_widen_the_window_and_sum_over_records():
 
 
 def test_replay_runs_a_bare_auto_with_its_cost_model():
-    from disco.offline.replay import with_costs
+    from disco.speculation.policies.auto import with_costs
     from disco.speculation.policies import parse_policy_spec
     from disco.speculation.policies.auto import decode_costs
 
