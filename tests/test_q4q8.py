@@ -1,7 +1,8 @@
-"""The q4 x q8 VNNI kernel of the int4 engine (:mod:`disco.models.q4q8`): its arithmetic
+"""The q4 x q8 kernel of the int4 engine (:mod:`disco.models.q4q8`): its arithmetic
 against a reference written out in torch, row invariance (alone, in any call, under the
-row-plan probe), clear errors on bad shapes, the per-machine choice, and greedy exactness of
-speculation and of concurrent sessions on a tiny model running it. Skipped where the CPU
+row-plan probe), clear errors on bad shapes, the per-machine choice, greedy exactness of
+speculation and of concurrent sessions on a tiny model running it, and the same bits from
+every build (AMX, VNNI, AVX2; the other builds in a second process). Skipped where the CPU
 has neither AVX-512 VNNI nor AVX2 (the engine then keeps torch's kernel, also tested here)."""
 
 from __future__ import annotations
@@ -109,6 +110,21 @@ def test_the_choice_is_measured_once_and_falls_back_without_the_instructions(tmp
     assert use_chosen_kernel(model, tmp_path) == choice and model[0].kernel == q4q8.TORCH_KERNEL
 
 
+def test_the_amx_build_only_where_linux_grants_the_tiles(monkeypatch, caplog):
+    """An AMX CPU gets the AMX build; where Linux refuses the tile state, the VNNI build (the
+    same bits) and a warning saying why."""
+    flags = frozenset({"amx_tile", "amx_int8", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "avx2"})
+    monkeypatch.setattr(q4q8, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(q4q8, "request_amx", lambda: "")
+    assert q4q8.best_variant().kernel == "q4q8-amx"
+    monkeypatch.setattr(q4q8, "request_amx", lambda: "arch_prctl(...) failed: Operation not permitted")
+    assert q4q8.best_variant().kernel == "q4q8-vnni"
+    assert "not permitted" in caplog.text
+    monkeypatch.setattr(q4q8, "cpu_flags", lambda: flags - {"amx_int8"})
+    monkeypatch.setattr(q4q8, "request_amx", lambda: pytest.fail("asked without AMX"))
+    assert q4q8.best_variant().kernel == "q4q8-vnni"
+
+
 @needs_q4q8
 def test_the_choice_is_cached_per_thread_count(ops, tmp_path, monkeypatch):
     monkeypatch.setattr(q4q8, "kernels_dir", lambda home, variant: home)
@@ -210,3 +226,58 @@ def test_the_avx2_build_computes_the_bits_of_the_vnni_build(ops, tmp_path):
     q4q8.dequantize(linear.q4q8_weights, 1040, 96, 0, 1040, out)
     assert torch.equal(avx2["mm"], linear._quantized(rows))
     assert torch.equal(avx2["dequantized"], out)
+
+
+VNNI_SCRIPT = """
+import sys, torch
+from pathlib import Path
+from disco.models import q4q8
+variant = next(v for v in q4q8.VARIANTS if v.kernel == "q4q8-vnni")
+assert q4q8.load(Path(sys.argv[1]), variant) is None and q4q8.loaded_kernel() == "q4q8-vnni"
+inputs = torch.load(sys.argv[2])
+counts = inputs.pop("counts")
+outputs = {}
+for name, (packed, out_features, in_features, rows) in inputs.items():
+    out = torch.empty(out_features, in_features, dtype=torch.bfloat16)
+    q4q8.dequantize(packed, out_features, in_features, 0, out_features, out)
+    outputs[name] = {"mm": [q4q8.mm(rows[:n].contiguous(), packed, out_features) for n in counts],
+                     "dequantized": out}
+torch.save(outputs, sys.argv[3])
+"""
+AMX_ROWS = (1, 2, 3, 5, 8, 9, 16, 17, 33)
+
+
+@needs_q4q8
+@pytest.mark.skipif(not {"amx_tile", "amx_int8"} <= q4q8.cpu_flags(), reason="the CPU lacks AMX-INT8")
+def test_the_amx_build_computes_the_bits_of_the_vnni_build(ops, tmp_path):
+    """The AMX build (TDPBSUD's integer dot products for calls of several rows, then the VNNI
+    path's float epilogue) gives the VNNI build's bits for every call size, in its own process."""
+    if q4q8.loaded_kernel() != "q4q8-amx":
+        pytest.skip(f"this process runs {q4q8.loaded_kernel()}")
+    assert q4q8.amx_refused() == ""  # the AMX path runs here, not the VNNI fallback
+    inputs, ours = {}, {}
+    for seed, (out_features, in_features) in enumerate([(1040, 96), (256, 896)]):
+        linear = layer(out_features, in_features, seed)
+        linear.use_kernel(q4q8.loaded_kernel())
+        rows = (torch.randn(max(AMX_ROWS), in_features, generator=torch.Generator().manual_seed(5 + seed)) * 2
+                ).to(torch.bfloat16)
+        rows[1, :32] = 0  # a group of zeros
+        rows[4, 32:64] = 0
+        name = f"{out_features}x{in_features}"
+        inputs[name] = (linear.q4q8_weights, out_features, in_features, rows)
+        out = torch.empty(out_features, in_features, dtype=torch.bfloat16)
+        q4q8.dequantize(linear.q4q8_weights, out_features, in_features, 0, out_features, out)
+        ours[name] = {"mm": [linear._quantized(rows[:n].contiguous()) for n in AMX_ROWS], "dequantized": out}
+        # Row-invariant: each row of every call is the row alone (the one-row call's path).
+        alone = torch.cat([linear._quantized(rows[i:i + 1].contiguous()) for i in range(max(AMX_ROWS))])
+        for count, got in zip(AMX_ROWS, ours[name]["mm"]):
+            assert torch.equal(got, alone[:count]), (name, count)
+    torch.save({**inputs, "counts": AMX_ROWS}, tmp_path / "inputs.pt")
+    subprocess.run([sys.executable, "-c", VNNI_SCRIPT, str(HOME),
+                    str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")],
+                   check=True, timeout=300, cwd=Path(__file__).parents[1])
+    vnni = torch.load(tmp_path / "out.pt")
+    for name in inputs:
+        for count, got, expected in zip(AMX_ROWS, ours[name]["mm"], vnni[name]["mm"]):
+            assert torch.equal(got, expected), (name, count)
+        assert torch.equal(ours[name]["dequantized"], vnni[name]["dequantized"]), name

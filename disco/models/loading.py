@@ -69,7 +69,8 @@ class LoadedModel:
             ``"float16"``, ``"int8"`` or ``"int4"`` (weight-only, bfloat16 activations); empty
             when built outside :func:`load_model` (then the weights' dtype tells).
         kernel: the kernel of the int4 engine's decoded rows on this machine
-            (:func:`disco.models.q4q8.choose_kernel`: ``"q4q8-vnni"`` or ``"int4pack"``); empty
+            (:func:`disco.models.q4q8.choose_kernel`: a build of :data:`disco.models.q4q8.KERNELS`,
+            e.g. ``"q4q8-amx"``, or ``"int4pack"``); empty
             for the other engines.
     """
 

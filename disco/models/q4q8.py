@@ -1,4 +1,4 @@
-"""The q4 x q8 kernel: int4 weights times int8-quantized activations (AVX-512 VNNI or AVX2).
+"""The q4 x q8 kernel: int4 weights times int8-quantized activations (AMX, AVX-512 VNNI or AVX2).
 
 torch's ``_weight_int4pack_mm_for_cpu`` multiplies the int4 engine's weights with bf16
 activations; on the AMX Xeon it streamed ~14 GB/s at one row, and its cost doubled at a
@@ -10,9 +10,12 @@ does the same over the int4 engine's own grid (``w = (q - 8) * scale + zero`` pe
 over the groups in order. Each row is computed from its own input row alone, by the same
 instructions whatever the other rows of the call, so it is row-invariant by construction.
 
-Two builds (:data:`VARIANTS`): ``q4q8-vnni`` (AVX-512 VNNI: Sapphire Rapids, Zen 4, Ice
-Lake) and ``q4q8-avx2`` (VPMADDUBSW + VPMADDWD in 8-lane halves, for AVX2-only CPUs). They
-compute the same bits (tested). The best the CPU runs is built at first use with the
+Three builds (:data:`VARIANTS`): ``q4q8-amx`` (the VNNI build plus AMX tiles for calls of 2+
+rows: TDPBSUD computes the integer dot products of up to 8 rows and two groups per tile
+product, then the VNNI path's float epilogue runs on the same int32 sums; Sapphire Rapids and
+later Xeons, where Linux grants the process the tile state), ``q4q8-vnni`` (AVX-512 VNNI:
+Zen 4, Ice Lake) and ``q4q8-avx2`` (VPMADDUBSW + VPMADDWD in 8-lane halves, for AVX2-only
+CPUs). They compute the same bits (tested). The best the CPU runs is built at first use with the
 system's ``g++`` against the installed torch (~10 s), cached under ``$DISCO_HOME/kernels`` by
 a hash of its source, flags and torch version, and loaded as the torch ops ``disco_q4q8.*``
 (one build per process). Where the CPU has neither, no compiler is found or the build fails,
@@ -27,11 +30,13 @@ llama.cpp's q8 activations): docs/engines.md measures the quality against the bf
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import hashlib
 import json
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -56,6 +61,7 @@ MARGIN = 0.8
 PROBE_SHAPE = (8960, 1536)
 PROBE_ROWS = (1, 5)
 KERNELS_DIR = "kernels"
+_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18  # x86_64 Linux
 
 
 @dataclass(frozen=True)
@@ -68,10 +74,12 @@ class Variant:
     cflags: tuple[str, ...]
 
 
-#: The builds, best first. Both compute the same bits (tests/test_q4q8.py).
+_VNNI_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma")
+_VNNI_CFLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma")
+#: The builds, best first. All compute the same bits (tests/test_q4q8.py).
 VARIANTS = (
-    Variant("q4q8-vnni", ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma"),
-            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma")),
+    Variant("q4q8-amx", ("amx_tile", "amx_int8", *_VNNI_CPU_FLAGS), (*_VNNI_CFLAGS, "-mamx-tile", "-mamx-int8")),
+    Variant("q4q8-vnni", _VNNI_CPU_FLAGS, _VNNI_CFLAGS),
     Variant("q4q8-avx2", ("avx2", "fma"), ("-mavx2", "-mfma")),
 )
 KERNELS = tuple(variant.kernel for variant in VARIANTS)
@@ -99,8 +107,30 @@ def cpu_flags() -> frozenset[str]:
 
 
 def variant_for(flags: frozenset[str]) -> Variant | None:
-    """The best build these CPU flags run (``None``: neither)."""
+    """The best build these CPU flags run (``None``: none)."""
     return next((variant for variant in VARIANTS if set(variant.cpu_flags) <= flags), None)
+
+
+def request_amx() -> str:
+    """Ask Linux for the AMX tile state in this process (``arch_prctl(ARCH_REQ_XCOMP_PERM,
+    XFEATURE_XTILEDATA)``, once per process, idempotent): ``""`` when granted, else why not."""
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return f"not Linux on x86_64 ({platform.system()} {platform.machine()})"
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(*map(ctypes.c_long, (_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA))) != 0:
+        return f"arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) failed: {os.strerror(ctypes.get_errno())}"
+    return ""
+
+
+def best_variant() -> Variant | None:
+    """The best build this CPU runs in this process: ``q4q8-amx`` only where Linux grants the
+    tile state (else ``q4q8-vnni``, the same bits, with a warning)."""
+    flags = cpu_flags()
+    variant = variant_for(flags)
+    if variant is not None and variant.kernel == "q4q8-amx" and (refused := request_amx()):
+        logger.warning("the q4q8-amx kernel is not used: %s", refused)
+        variant = variant_for(flags - {"amx_tile", "amx_int8"})
+    return variant
 
 
 def cpu_supports() -> bool:
@@ -115,6 +145,13 @@ def ops_loaded() -> bool:
 def loaded_kernel() -> str:
     """The build loaded in this process (one per process: the ops' names are shared)."""
     return torch.ops.disco_q4q8.variant()
+
+
+def amx_refused() -> str:
+    """Why the loaded build does not run its AMX path in this process (``""``: it does). The
+    AMX build asks Linux for the tile state once per process; refused, it runs the VNNI path
+    (the same bits)."""
+    return torch.ops.disco_q4q8.amx_refused()
 
 
 def build_key(variant: Variant) -> str:
@@ -181,13 +218,15 @@ def load(home: Path, variant: Variant | None = None) -> str | None:
         if variant is not None and loaded_kernel() != variant.kernel:
             return f"{loaded_kernel()} is loaded in this process, not {variant.kernel}"
         return None
-    variant = variant or variant_for(cpu_flags())
+    variant = variant or best_variant()
     if variant is None:
-        return f"the CPU has neither {' nor '.join('/'.join(v.cpu_flags) for v in VARIANTS)}"
+        return f"the CPU has neither {' nor '.join('/'.join(v.cpu_flags) for v in VARIANTS[1:])}"
     try:
         torch.ops.load_library(str(build(home, variant)))
     except (RuntimeError, OSError) as error:
         return f"the {variant.kernel} kernel could not be built or loaded: {error}"
+    if variant.kernel == "q4q8-amx" and (refused := amx_refused()):  # NOTE: asked above; kept as a safety net
+        logger.warning("the q4q8-amx kernel runs its VNNI path (the same bits, slower at several rows): %s", refused)
     return None
 
 

@@ -3,12 +3,13 @@
 Loads one build (``q4q8-amx``, ``q4q8-vnni`` or ``q4q8-avx2``; one per process, since a
 process loads one build) and times ``q4q8.mm`` at 1, 2, 3, 5, 9 and 16 rows on random weights
 of the 1.5B target's gate/up (8960x1536), down (1536x8960) and LM head (151936x1536) shapes:
-the minimum of ``--repeats`` calls after a warm-up, the rows interleaved per repeat. The
-smaller two sit in cache (the same weights every call); the LM head is read from memory.
+the minimum over ``--seconds`` of calls per shape after a warm-up, the rows interleaved (the
+least disturbed call on a shared machine). The smaller two sit in cache (the same weights
+every call); the LM head is read from memory.
 ``--amx-min-rows N`` builds the AMX build with its threshold set to N rows (a build of its
 own, under its own hash), e.g. 1 to time its AMX path at one row.
 
-Usage: python docs/analysis/q4q8_amx.py q4q8-amx|q4q8-vnni [--threads 2] [--repeats 9]
+Usage: python docs/analysis/q4q8_amx.py q4q8-amx|q4q8-vnni [--threads 2] [--seconds 10]
        [--amx-min-rows N] [--shapes 8960x1536,1536x8960,151936x1536]
 """
 
@@ -30,19 +31,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("kernel", choices=q4q8.KERNELS)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--amx-min-rows", type=int, default=None)
     parser.add_argument("--shapes", default="8960x1536,1536x8960,151936x1536")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     variant = next(v for v in q4q8.VARIANTS if v.kernel == args.kernel)
     if args.amx_min_rows is not None:
-        variant = dataclasses.replace(variant, cflags=(*variant.cflags, f"-DDISCO_Q4Q8_AMX_MIN_ROWS={args.amx_min_rows}"))
+        threshold = f"-DDISCO_Q4Q8_AMX_MIN_ROWS={args.amx_min_rows}"
+        variant = dataclasses.replace(variant, cflags=(*variant.cflags, threshold))
     if (why_not := q4q8.load(disco_home(), variant)) is not None:
         raise SystemExit(why_not)
     label = args.kernel + (f" (AMX from {args.amx_min_rows} rows)" if args.amx_min_rows is not None else "")
     print(f"{label}, {args.threads} threads, AMX: {q4q8.amx_refused() or 'granted'}; ms per call, "
-          f"min of {args.repeats}; rows {', '.join(map(str, ROWS))}")
+          f"min over {args.seconds:g} s; rows {', '.join(map(str, ROWS))}")
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for shape in args.shapes.split(","):
@@ -55,7 +57,8 @@ def main() -> None:
             best = {n: float("inf") for n in ROWS}
             for n in ROWS:
                 q4q8.mm(inputs[n], packed, out_features)  # warm-up
-            for _ in range(args.repeats):
+            deadline = time.perf_counter() + args.seconds
+            while time.perf_counter() < deadline:
                 for n in ROWS:
                     started = time.perf_counter()
                     q4q8.mm(inputs[n], packed, out_features)

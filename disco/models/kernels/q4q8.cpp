@@ -15,10 +15,21 @@
 // In the 64 bytes of inputs k0..k0+7, byte 4*j + b holds q[n0 + j][k0 + b] in its low nibble
 // and q[n0 + j][k0 + 4 + b] in its high nibble, so that one VPDPBUSD multiplies four inputs
 // of 16 channels at once (lane j = channel n0 + j) and no horizontal sum is ever needed.
-
-
+//
+// The AMX build (-mamx-tile -mamx-int8 on top of the VNNI flags): calls of kAmxMinRows rows or
+// more take the integer dot products sum_k q_k xq_k from TDPBSUD (int8 activations x uint8 q,
+// exact int32 sums), up to 8 rows per row tile and two groups per product: A = the row tile's
+// activations of groups 2p and 2p + 1 laid block-diagonally (amx_rows), B = the two groups'
+// nibbles unpacked to bytes, which is already AMX's VNNI layout (row w of a group's 8 rows of
+// 64 bytes is the VNNI path's nibbles[w]: inputs 4w..4w+3 of the 16 channels). Then the VNNI
+// path's float epilogue, the same function (group_epilogue) over the same int32 sums, group by
+// group in order: every row gets the VNNI build's bits. Linux must grant the process the tile
+// state first (arch_prctl, once); where it refuses, the VNNI path runs.
 
 #include <immintrin.h>
+#include <cerrno>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -27,6 +38,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -38,6 +50,22 @@ constexpr int64_t kRowTile = 8;                           // rows sharing one pa
 // Groups ahead of the one multiplied whose weights are prefetched: a one-token forward of the
 // 1.5B target read its 0.97 GB of int4 weights in 48 ms with 2 (51.8 without; 1 and 3 between).
 constexpr int64_t kPrefetchGroups = 2;
+// Groups of activations quantized per thread at least (~7 us): a call's rows of 1536 inputs
+// stay on one thread, rows of 8960 (the MLP's down projection: ~8 us a row) are split.
+constexpr int64_t kQuantizeGrain = 256;
+#if defined(__AMX_INT8__)
+constexpr int64_t kAmxTileRows = 8;  // rows of one AMX row tile: a pair of groups fills 16 tile rows
+constexpr int64_t kAmxPassTiles = 2; // row tiles sharing one pass over a block's weights
+#ifndef DISCO_Q4Q8_AMX_MIN_ROWS
+#define DISCO_Q4Q8_AMX_MIN_ROWS 2
+#endif
+// Calls of this many rows or more take the AMX path (docs/engines.md measures the threshold).
+constexpr int64_t kAmxMinRows = DISCO_Q4Q8_AMX_MIN_ROWS;
+// Pairs of groups between the three steps of a pair's product (block_rows_amx_of): 1 and 2
+// measured alike, 4 slower (8960x1536 at 16 rows: 0.48 ms, 0.60 at 4).
+constexpr int64_t kAmxDistance = 2;
+constexpr int64_t kAmxRing = 2 * kAmxDistance;
+#endif
 
 inline float bf16_to_float(uint16_t bits) {
   uint32_t word = static_cast<uint32_t>(bits) << 16;
@@ -78,8 +106,10 @@ QuantizedRows quantize_rows(const uint16_t* x, int64_t rows, int64_t in_features
   const int64_t groups = in_features / kGroup;
   QuantizedRows out{std::vector<int8_t>(rows * in_features), std::vector<float>(rows * groups),
                     std::vector<int32_t>(rows * groups), std::vector<float>(rows * groups)};
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t g = 0; g < groups; ++g) {
+  // Each group on its own (the same bits however the groups are split among threads).
+  at::parallel_for(0, rows * groups, kQuantizeGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / groups, g = i % groups;
       const uint16_t* src = x + r * in_features + g * kGroup;
       float values[kGroup];
       float amax = 0.f, sum = 0.f;
@@ -102,15 +132,35 @@ QuantizedRows quantize_rows(const uint16_t* x, int64_t rows, int64_t in_features
       out.offsets[r * groups + g] = 8 * qsum;
       out.sums[r * groups + g] = sum;
     }
-  }
+  });
   return out;
 }
 
-// Rows [row0, row0 + tile) x output block `block`: float32 results into out_block[tile][16].
 #if defined(__AVX512VNNI__)
+// One group of a block: its 256 bytes of nibbles as 8 x 64 bytes of u4 in bytes. nibbles[w]
+// holds inputs 4w..4w+3 of the group for the 16 channels (byte 4j + i: channel j, input 4w + i).
+inline void unpack_group(const uint8_t* group, __m512i nibbles[8]) {
+  const __m512i low_mask = _mm512_set1_epi8(0x0f);
+  for (int b = 0; b < 4; ++b) {
+    __m512i packed = _mm512_loadu_si512(group + 64 * b);
+    nibbles[2 * b] = _mm512_and_si512(packed, low_mask);
+    nibbles[2 * b + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_mask);
+  }
+}
+
+// One row's float32 step for one group, given its 16 exact int32 dot products sum_k q_k xq_k:
+// the only float arithmetic of the product, shared by the VNNI and AMX paths (the same bits).
+inline __m512 group_epilogue(__m512 acc, __m512i dot, int32_t offset, float dx, float sum, __m512 scale,
+                             __m512 zero) {
+  dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(offset));
+  const __m512 partial = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(dx));
+  acc = _mm512_fmadd_ps(partial, scale, acc);
+  return _mm512_fmadd_ps(zero, _mm512_set1_ps(sum), acc);
+}
+
+// Rows [row0, row0 + tile) x output block `block`: float32 results into out_block[tile][16].
 inline void block_rows(const uint8_t* weights, const QuantizedRows& xq, int64_t row0, int64_t tile,
                        int64_t groups, int64_t in_features, float* out_block) {
-  const __m512i low_mask = _mm512_set1_epi8(0x0f);
   __m512 acc[kRowTile];
   for (int64_t t = 0; t < tile; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -118,11 +168,7 @@ inline void block_rows(const uint8_t* weights, const QuantizedRows& xq, int64_t 
     for (int64_t line = 0; line < kGroupBytes; line += 64)  // past the end is harmless: a hint never faults
       _mm_prefetch(reinterpret_cast<const char*>(group + kPrefetchGroups * kGroupBytes + line), _MM_HINT_T0);
     __m512i nibbles[8];
-    for (int b = 0; b < 4; ++b) {
-      __m512i packed = _mm512_loadu_si512(group + 64 * b);
-      nibbles[2 * b] = _mm512_and_si512(packed, low_mask);
-      nibbles[2 * b + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_mask);
-    }
+    unpack_group(group, nibbles);
     const __m512 scale = load_bf16x16(group + 256);
     const __m512 zero = load_bf16x16(group + 256 + 32);
     for (int64_t t = 0; t < tile; ++t) {
@@ -132,14 +178,182 @@ inline void block_rows(const uint8_t* weights, const QuantizedRows& xq, int64_t 
       std::memcpy(words, xr, sizeof(words));
       __m512i dot = _mm512_setzero_si512();
       for (int w = 0; w < 8; ++w) dot = _mm512_dpbusd_epi32(dot, nibbles[w], _mm512_set1_epi32(words[w]));
-      dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(xq.offsets[r * groups + g]));
-      const __m512 partial = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(xq.scales[r * groups + g]));
-      acc[t] = _mm512_fmadd_ps(partial, scale, acc[t]);
-      acc[t] = _mm512_fmadd_ps(zero, _mm512_set1_ps(xq.sums[r * groups + g]), acc[t]);
+      acc[t] = group_epilogue(acc[t], dot, xq.offsets[r * groups + g], xq.scales[r * groups + g],
+                              xq.sums[r * groups + g], scale, zero);
     }
   }
   for (int64_t t = 0; t < tile; ++t) _mm512_storeu_ps(out_block + t * kLanes, acc[t]);
 }
+
+#if defined(__AMX_INT8__)
+// Whether this process may use the AMX tile data (asked once: Linux grants it per process).
+// Empty when granted, else why not.
+const std::string& amx_refusal() {
+  static const std::string refusal = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0)
+      return std::string("arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) failed: ") + std::strerror(errno);
+    return std::string();
+  }();
+  return refusal;
+}
+
+struct alignas(64) TileConfig {  // LDTILECFG's 64 bytes, palette 1
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// The tile instructions as statements the compiler keeps in order with the memory they read
+// and write (GCC 12's _tile_loadd and _tile_loadconfig declare no memory read).
+#define DISCO_TILE_LOAD(tile, base, stride) \
+  __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #tile ::"r"(base), "r"(static_cast<long>(stride)) : "memory")
+#define DISCO_TILE_STORE(tile, base, stride) \
+  __asm__ volatile("tilestored %%tmm" #tile ", (%0,%1,1)" ::"r"(base), "r"(static_cast<long>(stride)) : "memory")
+#define DISCO_TILE_ZERO(tile) __asm__ volatile("tilezero %%tmm" #tile ::)
+#define DISCO_TILE_DPBSUD(c, a, b) __asm__ volatile("tdpbsud %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
+
+// The A tiles of a call on the AMX path: for each row tile of M rows and each pair of groups
+// (2p, 2p + 1), 2M rows of 64 bytes, block-diagonal: row t holds row t's activations of group 2p
+// then 32 zeros, row M + t 32 zeros then its activations of group 2p + 1. One TDPBSUD of it with
+// the pair's two B tiles stacked (16 rows of 64 bytes: K = 64) gives in C row t group 2p's sums
+// and in row M + t group 2p + 1's, each over its own 32 inputs only: two groups per product and
+// per C tile stored (TILESTORED costs about as much for 2 rows as for 16).
+struct AmxRows {
+  int64_t tile_rows;  // M
+  int64_t tiles;      // row tiles: M * tiles >= rows, the rows past the call's are zeros
+  int64_t pairs;
+  std::vector<int8_t> a;  // [tiles][pairs][2M][64]
+};
+
+AmxRows amx_rows(const QuantizedRows& xq, int64_t rows, int64_t groups, int64_t in_features) {
+  const int64_t tiles = (rows + kAmxTileRows - 1) / kAmxTileRows;
+  const int64_t tile_rows = (rows + tiles - 1) / tiles, pairs = (groups + 1) / 2;
+  AmxRows out{tile_rows, tiles, pairs, std::vector<int8_t>(tiles * pairs * 2 * tile_rows * 64)};
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t tile = r / tile_rows, t = r % tile_rows;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t row = (g % 2) * tile_rows + t;
+      int8_t* dst = out.a.data() + ((tile * pairs + g / 2) * 2 * tile_rows + row) * 64 + (g % 2) * kGroup;
+      std::memcpy(dst, xq.values.data() + r * in_features + g * kGroup, kGroup);
+    }
+  }
+  return out;
+}
+
+// Tiles: A in 4 and 5, B (a pair's 16 x 64 bytes) in 6 and 7, C in 0..3, A and C of 2M rows.
+inline void configure_tiles(int64_t tile_rows) {
+  TileConfig config;
+  for (int c = 0; c < 4; ++c) config.rows[c] = 2 * tile_rows, config.colsb[c] = 64;
+  for (int a = 4; a < 6; ++a) config.rows[a] = 2 * tile_rows, config.colsb[a] = 64;
+  for (int b = 6; b < 8; ++b) config.rows[b] = 16, config.colsb[b] = 64;
+  __asm__ volatile("ldtilecfg %0" ::"m"(config) : "memory");
+}
+
+inline void release_tiles() { __asm__ volatile("tilerelease" ::: "memory"); }
+
+#define DISCO_AMX_PRODUCT(a_tile, b_tile, c_tile, a, c)                     \
+  DISCO_TILE_LOAD(a_tile, a, 64);                                           \
+  DISCO_TILE_ZERO(c_tile);                                                  \
+  DISCO_TILE_DPBSUD(c_tile, a_tile, b_tile);                                \
+  DISCO_TILE_STORE(c_tile, c, 64)
+
+// One pair's exact int32 sums for kTiles row tiles: c[i] = a[i] . b (tiles alternate with the
+// pair's parity, so that a pair's loads need not wait for the previous pair's products).
+template <int64_t kTiles>
+inline void amx_pair_dot(int64_t pair, const int8_t* a, int64_t a_stride, const uint8_t* b, int32_t* c,
+                         int64_t c_stride) {
+  if (pair % 2 == 0) {
+    DISCO_TILE_LOAD(6, b, 64);
+    DISCO_AMX_PRODUCT(4, 6, 0, a, c);
+    if constexpr (kTiles == 2) { DISCO_AMX_PRODUCT(5, 6, 1, a + a_stride, c + c_stride); }
+  } else {
+    DISCO_TILE_LOAD(7, b, 64);
+    if constexpr (kTiles == 2) {
+      DISCO_AMX_PRODUCT(4, 7, 2, a, c);
+      DISCO_AMX_PRODUCT(5, 7, 3, a + a_stride, c + c_stride);
+    } else {
+      DISCO_AMX_PRODUCT(5, 7, 2, a, c);
+    }
+  }
+}
+
+// block_rows with AMX's integer products: kTiles row tiles of kM rows from row tile `tile0` (the
+// first `rows` of them the call's). Each pair of groups takes three steps, a pipeline's stages
+// kAmxDistance pairs apart, so that no step waits on the one before it: its nibbles unpacked to
+// B tiles in memory, its products (C tiles stored to memory), then the float epilogue of each
+// row, group 2p then 2p + 1, as on the VNNI path. The accumulators are registers (kM, kTiles
+// constants).
+template <int64_t kM, int64_t kTiles>
+void block_rows_amx_of(const uint8_t* weights, const QuantizedRows& xq, const AmxRows& amx, int64_t tile0,
+                       int64_t rows, int64_t groups, float* out_block) {
+  constexpr int64_t kRows = kM * kTiles, kTileBytes = 2 * kM * 64;
+  alignas(64) uint8_t b_tiles[kAmxRing][2][8 * 64];
+  alignas(64) int32_t c_tiles[kAmxRing][kTiles][2 * kM][kLanes];
+  __m512 acc[kRows];
+#pragma GCC unroll 16
+  for (int64_t t = 0; t < kRows; ++t) acc[t] = _mm512_setzero_ps();
+  const int64_t row0 = tile0 * kM, pairs = amx.pairs;
+  const int8_t* a_tiles = amx.a.data() + tile0 * pairs * kTileBytes;
+  for (int64_t step = 0; step < pairs + 2 * kAmxDistance; ++step) {
+    if (step < pairs) {  // unpack pair `step`
+      for (int64_t h = 0; h < 2 && 2 * step + h < groups; ++h) {
+        const uint8_t* group = weights + (2 * step + h) * kGroupBytes;
+        for (int64_t line = 0; line < kGroupBytes; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(group + kPrefetchGroups * kGroupBytes + line), _MM_HINT_T0);
+        __m512i nibbles[8];
+        unpack_group(group, nibbles);
+        uint8_t* b = b_tiles[step % kAmxRing][h];
+        for (int w = 0; w < 8; ++w) _mm512_store_si512(b + 64 * w, nibbles[w]);
+      }
+      if (2 * step + 1 == groups)  // an odd count's last pair: its A columns are zeros, B too
+        std::memset(b_tiles[step % kAmxRing][1], 0, sizeof(b_tiles[0][1]));
+    }
+    if (const int64_t pair = step - kAmxDistance; pair >= 0 && pair < pairs)  // its products
+      amx_pair_dot<kTiles>(pair, a_tiles + pair * kTileBytes, pairs * kTileBytes, &b_tiles[pair % kAmxRing][0][0],
+                           &c_tiles[pair % kAmxRing][0][0][0], 2 * kM * kLanes);
+    if (const int64_t pair = step - 2 * kAmxDistance; pair >= 0) {  // its epilogues
+      for (int64_t h = 0; h < 2 && 2 * pair + h < groups; ++h) {
+        const int64_t g = 2 * pair + h;
+        const uint8_t* group = weights + g * kGroupBytes;
+        const __m512 scale = load_bf16x16(group + 256);
+        const __m512 zero = load_bf16x16(group + 256 + 32);
+#pragma GCC unroll 16
+        for (int64_t row = 0; row < kRows; ++row) {  // constant indices: acc stays in registers
+          const int64_t i = row / kM, t = row % kM, r = row0 + row;
+          if (row < rows)
+            acc[row] = group_epilogue(acc[row], _mm512_load_si512(c_tiles[pair % kAmxRing][i][h * kM + t]),
+                                      xq.offsets[r * groups + g], xq.scales[r * groups + g], xq.sums[r * groups + g],
+                                      scale, zero);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int64_t t = 0; t < kRows; ++t)
+    if (t < rows) _mm512_storeu_ps(out_block + t * kLanes, acc[t]);
+}
+
+template <int64_t... kMs>
+inline void block_rows_amx_dispatch(std::integer_sequence<int64_t, kMs...>, const uint8_t* weights,
+                                    const QuantizedRows& xq, const AmxRows& amx, int64_t tile0, int64_t tiles,
+                                    int64_t rows, int64_t groups, float* out_block) {
+  ((amx.tile_rows == kMs + 1
+        ? (tiles == 2 ? block_rows_amx_of<kMs + 1, 2>(weights, xq, amx, tile0, rows, groups, out_block)
+                      : block_rows_amx_of<kMs + 1, 1>(weights, xq, amx, tile0, rows, groups, out_block))
+        : void()),
+   ...);
+}
+
+// Row tiles [tile0, tile0 + tiles) (at most kAmxPassTiles), `rows` of them the call's, x one block.
+inline void block_rows_amx(const uint8_t* weights, const QuantizedRows& xq, const AmxRows& amx, int64_t tile0,
+                           int64_t tiles, int64_t rows, int64_t groups, float* out_block) {
+  block_rows_amx_dispatch(std::make_integer_sequence<int64_t, kAmxTileRows>(), weights, xq, amx, tile0, tiles,
+                          rows, groups, out_block);
+}
+#endif
 
 #else
 // The AVX2 build: the same arithmetic in 8-lane halves of the 16-channel block. VPMADDUBSW
@@ -200,6 +414,29 @@ at::Tensor q4q8_mm(const at::Tensor& x, const at::Tensor& weights, int64_t out_f
   const QuantizedRows xq = quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), rows, in_features);
   const uint8_t* packed = weights.data_ptr<uint8_t>();
   uint16_t* result = reinterpret_cast<uint16_t*>(out.data_ptr());
+  auto store_rows = [&](int64_t block, int64_t row0, int64_t tile, const float* tile_out) {
+    for (int64_t t = 0; t < tile; ++t)
+      for (int64_t j = 0; j < kLanes; ++j)
+        result[(row0 + t) * out_features + block * kLanes + j] = float_to_bf16(tile_out[t * kLanes + j]);
+  };
+#if defined(__AMX_INT8__)
+  if (rows >= kAmxMinRows && amx_refusal().empty()) {
+    const AmxRows amx = amx_rows(xq, rows, groups, in_features);
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      configure_tiles(amx.tile_rows);  // per thread: the chunks run on OpenMP's threads
+      float tile_out[kAmxPassTiles * kAmxTileRows * kLanes];
+      for (int64_t block = begin; block < end; ++block)
+        for (int64_t tile0 = 0; tile0 < amx.tiles; tile0 += kAmxPassTiles) {
+          const int64_t tiles = std::min(kAmxPassTiles, amx.tiles - tile0), row0 = tile0 * amx.tile_rows;
+          const int64_t tile = std::min(tiles * amx.tile_rows, rows - row0);
+          block_rows_amx(packed + block * groups * kGroupBytes, xq, amx, tile0, tiles, tile, groups, tile_out);
+          store_rows(block, row0, tile, tile_out);
+        }
+      release_tiles();  // other code on this thread (oneDNN's AMX GEMMs) configures its own
+    });
+    return out;
+  }
+#endif
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     float tile_out[kRowTile * kLanes];
     for (int64_t block = begin; block < end; ++block) {
@@ -207,9 +444,7 @@ at::Tensor q4q8_mm(const at::Tensor& x, const at::Tensor& weights, int64_t out_f
       for (int64_t row0 = 0; row0 < rows; row0 += kRowTile) {
         const int64_t tile = std::min(kRowTile, rows - row0);
         block_rows(block_weights, xq, row0, tile, groups, in_features, tile_out);
-        for (int64_t t = 0; t < tile; ++t)
-          for (int64_t j = 0; j < kLanes; ++j)
-            result[(row0 + t) * out_features + block * kLanes + j] = float_to_bf16(tile_out[t * kLanes + j]);
+        store_rows(block, row0, tile, tile_out);
       }
     }
   });
@@ -330,8 +565,18 @@ void dequantize_q4q8(const at::Tensor& weights, int64_t out_features, int64_t in
 
 std::string variant() { return DISCO_Q4Q8_VARIANT; }
 
+// Why this build's AMX path does not run in this process ("" where it does; other builds: why not).
+std::string amx_refused() {
+#if defined(__AMX_INT8__)
+  return amx_refusal();
+#else
+  return "not an AMX build";
+#endif
+}
+
 TORCH_LIBRARY(disco_q4q8, m) {
   m.def("variant() -> str", &variant);  // which build this is: no tensor to dispatch on
+  m.def("amx_refused() -> str", &amx_refused);
   m.def("mm(Tensor x, Tensor weights, int out_features) -> Tensor");
   m.def("pack(Tensor q, Tensor scales, Tensor zeros) -> Tensor");
   m.def("dequantize(Tensor weights, int out_features, int in_features, int start, int end, Tensor(a!) out) -> ()");
