@@ -42,7 +42,7 @@ import torch
 
 from disco.engines.lean_decoder import LeanDecoder
 from disco.engines.static_kv import PreallocatedCache
-from disco.engines.varlen_attention import KEY_GRANULE, AttentionPlan, additive_bias
+from disco.engines.varlen_attention import KEY_GRANULE, AttentionPlan, additive_bias, as_items, from_items, item_mask
 from disco.errors import InvalidRequest
 
 #: Batch sizes a step is padded to (CUDA graphs are captured per size).
@@ -190,9 +190,7 @@ class StaticStep:
         slot sees its keys up to its own position) and, for the memory-efficient kernel, its bias."""
         lean, bucket = self.lean, self.bucket
         group = lean.heads // lean.kv_heads
-        visible = self._key_slots <= positions[:, :, None]  # [sessions, block, capacity]
-        mask = visible[:, None, :, None, :].expand(bucket.sessions, lean.kv_heads, bucket.block, group, -1)
-        mask = mask.reshape(bucket.sessions, lean.kv_heads * bucket.block * group, 1, self.caches.capacity)
+        mask = item_mask(self._key_slots <= positions[:, :, None], lean.kv_heads, group)  # from [sessions, block, capacity]
         dtype = self.plan.compute_dtype or self.caches.keys[0].dtype
         return mask, additive_bias(mask, dtype) if self.plan.memory_efficient else None
 
@@ -209,14 +207,11 @@ class StaticStep:
         slot_keys[self._slot_of_row, :, positions] = key[0].transpose(0, 1).reshape(sessions, block, kv_heads, dim)
         slot_values[self._slot_of_row, :, positions] = value[0].transpose(0, 1).reshape(sessions, block, kv_heads, dim)
         dtype = plan.compute_dtype or query.dtype
-        # A slot's queries ride in the head dimension, kv-head-major (varlen_attention.QueryLayout).
-        items = query[0].view(kv_heads, group, sessions, block, dim).permute(2, 0, 3, 1, 4)
-        items = items.reshape(sessions, kv_heads * block * group, 1, dim).to(dtype)
+        items = as_items(query[0], kv_heads, sessions).to(dtype)  # a slot's queries ride in the head dimension
         keys, values = slot_keys[:sessions].to(dtype), slot_values[:sessions].to(dtype)
         if not plan.kernel_gqa and block * group > 1:
             keys = keys.repeat_interleave(block * group, dim=1)
             values = values.repeat_interleave(block * group, dim=1)
         output = plan.attend(items, keys, values, mask, module.scaling,
                              plan.kernel_gqa and block * group > 1, bias)  # [sessions, call_heads, 1, dim]
-        output = output.view(sessions, kv_heads, block, group, dim).permute(0, 2, 1, 3, 4)
-        return output.reshape(1, sessions * block, kv_heads * group, dim).to(query.dtype)
+        return from_items(output, kv_heads, block).transpose(0, 1).unsqueeze(0).to(query.dtype)  # [1, rows, heads, dim]

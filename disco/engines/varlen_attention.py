@@ -196,9 +196,7 @@ def query_layout(session_keys: Sequence[int], session_queries: Sequence[int], kv
     query_gather = torch.where(real, query_offsets[:, None] + query_slots, int(queries.sum()))
     visible = (keys - queries)[:, None] + 1 + query_slots  # [sessions, max_queries]: keys each query sees
     visible = torch.where(real, visible, 1)
-    mask = slots < visible[:, :, None]  # [sessions, max_queries, padded]
-    mask = mask[:, None, :, None, :].expand(sessions, kv_heads, max_queries, group, padded)
-    mask = mask.reshape(sessions, kv_heads * max_queries * group, 1, padded).to(device)
+    mask = item_mask(slots < visible[:, :, None], kv_heads, group).to(device)  # from [sessions, max_queries, padded]
     bias = additive_bias(mask, bias_dtype) if bias_dtype is not None else None
     return QueryLayout(key_gather.reshape(-1).to(device), query_gather.reshape(-1).to(device),
                        real.reshape(-1).nonzero().squeeze(1).to(device), mask, padded, max_queries, bias)
@@ -230,10 +228,34 @@ def one_call_attention(queries: torch.Tensor,  # [1, heads, num_queries, head_di
         return picked
 
     rows = torch.cat([queries[0], queries.new_zeros(heads, 1, head_dim)], dim=1)  # [heads, queries + 1, dim]
-    rows = rows.index_select(1, layout.query_gather).view(kv_heads, group, sessions, slots, head_dim)
-    items = rows.permute(2, 0, 3, 1, 4).reshape(sessions, call_heads, 1, head_dim).to(dtype)
+    items = as_items(rows.index_select(1, layout.query_gather), kv_heads, sessions).to(dtype)
     output = plan.attend(items, gathered(session_keys), gathered(session_values), layout.mask, scaling,
                          plan.kernel_gqa and call_heads != kv_heads, layout.bias)  # [sessions, call_heads, 1, head_dim]
-    output = output.view(sessions, kv_heads, slots, group, head_dim).permute(1, 3, 0, 2, 4)
-    output = output.reshape(heads, sessions * slots, head_dim).index_select(1, layout.query_rows)
+    output = from_items(output, kv_heads, slots).index_select(1, layout.query_rows)  # [heads, num_queries, dim]
     return output.transpose(0, 1).unsqueeze(0).to(queries.dtype)  # [1, num_queries, heads, head_dim]
+
+
+def item_mask(visible: torch.Tensor,  # [sessions, slots, keys], bool: True where query slot attends key
+              kv_heads: int, group: int) -> torch.Tensor:  # [sessions, kv_heads * slots * group, 1, keys]
+    """A mask per query slot as the one call's mask, kv-head-major like :func:`as_items`."""
+    sessions, slots, keys = visible.shape
+    expanded = visible[:, None, :, None, :].expand(sessions, kv_heads, slots, group, keys)
+    return expanded.reshape(sessions, kv_heads * slots * group, 1, keys)
+
+
+def as_items(rows: torch.Tensor,  # [heads, sessions * slots, head_dim], session-major, heads kv-head-major
+             kv_heads: int, sessions: int) -> torch.Tensor:  # [sessions, kv_heads * slots * group, 1, head_dim]
+    """The one call's items: a session's query slots ride in the head dimension (:class:`QueryLayout`)."""
+    heads, count, head_dim = rows.shape
+    group, slots = heads // kv_heads, count // sessions
+    items = rows.view(kv_heads, group, sessions, slots, head_dim).permute(2, 0, 3, 1, 4)
+    return items.reshape(sessions, kv_heads * slots * group, 1, head_dim)
+
+
+def from_items(output: torch.Tensor,  # [sessions, kv_heads * slots * group, 1, head_dim]
+               kv_heads: int, slots: int) -> torch.Tensor:  # [heads, sessions * slots, head_dim]
+    """:func:`as_items` undone on the call's output."""
+    sessions, call_heads, _, head_dim = output.shape
+    group = call_heads // (kv_heads * slots)
+    output = output.view(sessions, kv_heads, slots, group, head_dim).permute(1, 3, 0, 2, 4)
+    return output.reshape(kv_heads * group, sessions * slots, head_dim)
