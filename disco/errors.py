@@ -18,6 +18,11 @@ class SessionNotFound(DiscoError):
     """A service does not know (or no longer knows) a session id."""
 
 
+class SessionMismatch(DiscoError):
+    """A call expects the session at another length than it is (a repeated, stale or
+    foreign call): refused, and the session left unchanged."""
+
+
 class ResourceExhausted(DiscoError):
     """A limit was hit (too many sessions, too many tokens)."""
 

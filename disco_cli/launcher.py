@@ -4,6 +4,11 @@ Each service runs in its own process, as Kubernetes or Ray would run it: the tar
 draft servers start in parallel on free ports, then the orchestrator is pointed at them.
 Every child announces its bound address as one JSON line on stdout (``--json``); its
 logs go to the parent's stderr.
+
+Only the orchestrator binds the requested host: the backends always listen on
+127.0.0.1 and accept only the launch's own backend token (a fresh random one per launch,
+handed to the three children through their environment, never a command line), so the
+public token, or no token at all, is refused by them (docs/security.md).
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from dataclasses import dataclass, field
 
 from disco.config import ModelConfig, PairConfig
 from disco.errors import DiscoError
-from protos.runtime.tls import AUTH_TOKEN_ENV
+from protos.runtime.auth import AUTH_TOKEN_ENV, BACKEND_TOKEN_ENV, new_token
 
+#: Where the backends of a local launch listen: loopback only, whatever the orchestrator binds.
+BACKEND_HOST = "127.0.0.1"
 #: Preparing the default pair on first use downloads and converts ~1.6 GB.
 STARTUP_TIMEOUT_S = 1800.0
 
@@ -33,7 +40,9 @@ class ServiceOptions:
 
     ``metrics_port``: the orchestrator's ``/metrics`` port; the draft gets the next port
     and the target the one after (0: each a free port; ``None``: no ``/metrics``). The
-    auth token reaches the orchestrator through its environment, never its command line.
+    public token reaches the orchestrator through its environment (``auth_token``) or as
+    the path of a file of tokens (``auth_token_file``), never on its command line; the
+    backend token reaches all three through their environment.
     """
 
     tls_cert: str | None = None
@@ -41,6 +50,8 @@ class ServiceOptions:
     tls_ca: str | None = None
     tls_server_name: str | None = None
     auth_token: str | None = None
+    auth_token_file: str | None = None
+    backend_token: str = field(default_factory=new_token)  # one per launch: only this launch's orchestrator calls its backends
     metrics_port: int | None = None
     max_prompt_tokens: int = 0
     log_format: str = "text"
@@ -55,6 +66,8 @@ class ServiceOptions:
         if self.metrics_port is not None:
             offset = {"orchestrator": 0, "draft": 1, "target": 2}[role] if self.metrics_port else 0
             argv += ["--metrics-port", str(self.metrics_port + offset)]
+        if self.auth_token_file and role == "orchestrator":
+            argv += ["--auth-token-file", str(self.auth_token_file)]
         if self.max_prompt_tokens and role == "orchestrator":
             argv += ["--max-prompt-tokens", str(self.max_prompt_tokens)]
         if self.max_kv_bytes and role in ("draft", "target"):
@@ -65,9 +78,10 @@ class ServiceOptions:
 
     def env(self, role: str) -> dict[str, str]:
         env = os.environ.copy()
-        env.pop(AUTH_TOKEN_ENV, None)  # only the orchestrator checks a token
+        env.pop(AUTH_TOKEN_ENV, None)  # only the orchestrator checks the public token
         if role == "orchestrator" and self.auth_token:
             env[AUTH_TOKEN_ENV] = self.auth_token
+        env[BACKEND_TOKEN_ENV] = self.backend_token  # backends accept it, the orchestrator presents it
         return env
 
 
@@ -105,7 +119,7 @@ def launch(pair: PairConfig, host: str = "127.0.0.1", port: int = 0, threads: in
 
     Args:
         pair: the models (``spec=None``: the default pair, prepared on first use).
-        host: interface all three bind.
+        host: interface the orchestrator binds (the backends bind 127.0.0.1 whatever it is).
         port: the orchestrator's port (0: a free one); the backends always take free ports.
         threads: torch CPU threads of each model process (``None``: torch's default).
         startup_timeout_s: how long model loading may take.
@@ -129,7 +143,7 @@ def launch(pair: PairConfig, host: str = "127.0.0.1", port: int = 0, threads: in
             threads_args = ["--threads", str(role_threads)] if role_threads else []
             overlap_args = ["--overlap", "on"] if role == "draft" and overlap else []
             services.processes[role] = _spawn([f"{role}-server", *_model_args(config), *threads_args, *overlap_args,
-                                               "--host", host, "--port", "0", *options.args(role)],
+                                               "--host", BACKEND_HOST, "--port", "0", *options.args(role)],
                                               options.env(role), cores.get(role))
         for role in ("target", "draft"):
             _record(services, role, _await_announcement(role, services.processes[role], startup_timeout_s))

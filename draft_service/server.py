@@ -15,13 +15,15 @@ from draft_service.servicer import SERVICE_NAME, DraftServicer
 from protos.disco.v1 import draft_pb2_grpc
 from protos.runtime.metrics import ServerMetrics
 from protos.runtime.server import RunningServer, start_server
+from protos.runtime.backend_security import BackendSecurity
 from protos.runtime.tls import TlsFiles
 
 
 def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0, limits: SessionLimits = SessionLimits(),
           policy_factory: PolicyFactory | None = None, artifact_dirs: Sequence[str | os.PathLike] = (),
           max_prompt_tokens: int | None = None, tls: TlsFiles | None = None,
-          metrics_port: int | None = None, forward_s: Sequence[float] = (), overlap: bool = False) -> RunningServer:
+          metrics_port: int | None = None, forward_s: Sequence[float] = (),
+          security: BackendSecurity = BackendSecurity(), overlap: bool = False) -> RunningServer:
     """Start serving ``loaded`` as the draft model; returns at once (the server runs in threads).
 
     Args:
@@ -39,20 +41,26 @@ def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0, limits
         tls: serve TLS; with ``tls.ca`` clients must present a certificate it signed (mTLS).
         metrics_port: serve Prometheus ``/metrics`` on ``host:metrics_port`` (0: a free port).
         forward_s: the model's measured forward costs (:mod:`disco.engines.engine_costs`), reported by ``Info``.
+        security: the credentials callers must present (:class:`BackendSecurity`: the backend token,
+            ``--insecure``); checked against ``host`` and ``tls`` before anything is bound.
         overlap: overlapped drafting (:mod:`disco.engines.predraft`): pre-draft each session's next block
             while the target verifies the last one; reported by ``Info``, counted in ``/metrics``.
 
     Raises:
-        DiscoError: the address cannot be bound.
+        DiscoError: the address cannot be bound, or it would be reachable without credentials
+            (:meth:`BackendSecurity.statement`).
     """
     policy_factory = policy_factory or PolicyFactory(restricted_loader(default_learned_loader(loaded), artifact_dirs))
+    statement = security.statement(host, tls)  # refuses an exposed backend before any work
+    security.warn(statement)
     engine = DraftEngine(loaded.model, policy_factory, limits, overlap=overlap)
     metrics = ServerMetrics("draft", loaded.name)
     metrics.track_batches(lambda: engine.batcher.batch_sizes, engine.batcher.packed,
                           engine.batcher.verdict.detail)
     metrics.track_live_costs(engine.batcher.live_costs.seconds_by_rows)
-    servicer = DraftServicer(engine, loaded, limits, max_prompt_tokens, metrics, forward_s)
+    metrics.describe_security(statement)
+    servicer = DraftServicer(engine, loaded, limits, max_prompt_tokens, metrics, forward_s, statement)
     # One thread per in-flight call: every session may be drafting at once, plus Info calls.
     return start_server([(draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer, SERVICE_NAME)],
                         host, port, max_workers=limits.max_sessions + 8, tls=tls, metrics=metrics,
-                        metrics_port=metrics_port)
+                        metrics_port=metrics_port, interceptors=security.interceptors())

@@ -1,5 +1,8 @@
 """``disco.v1.DraftService``: validate → convert → :class:`DraftEngine` → convert back.
 
+Sessions are keyed by (authenticated caller, session id) (:func:`protos.runtime.auth.session_key`):
+a session belongs to the caller that started it.
+
 Domain errors raised by the engine become status codes in
 :class:`protos.runtime.server.ErrorInterceptor`; nothing here catches them.
 """
@@ -20,6 +23,7 @@ from disco.models.loading import LoadedModel
 from draft_service.run_ahead import run_ahead
 from protos import convert
 from protos.disco.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from protos.runtime.auth import caller_of, session_key
 from protos.runtime.metrics import ServerMetrics
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
@@ -30,10 +34,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     def __init__(self, engine: DraftEngine, loaded: LoadedModel, limits: SessionLimits,
                  max_prompt_tokens: int | None = None, metrics: ServerMetrics | None = None,
-                 forward_s: Sequence[float] = ()) -> None:
+                 forward_s: Sequence[float] = (), security: str = "") -> None:
         self.engine = engine
         self.loaded = loaded
         self.forward_s = tuple(forward_s)  # measured forward costs, reported by Info
+        self.security = security  # how callers are authenticated (BackendSecurity.statement), reported by Info
         self.limits = limits
         self.max_prompt_tokens = max_prompt_tokens  # applies to re-prefills too (prompt + tokens so far)
         self.metrics = metrics or ServerMetrics("draft", loaded.name)
@@ -52,7 +57,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         convert.check_token_ids(request.prompt_ids, self.loaded.vocab_size, "prompt_ids")
         convert.check_token_ids(request.reference_ids, self.loaded.vocab_size, "reference_ids")
         result = self.engine.start_session(
-            request.session_id, list(request.prompt_ids), convert.sampling_from_pb(request.sampling),
+            session_key(caller_of(context), request.session_id), list(request.prompt_ids), convert.sampling_from_pb(request.sampling),
             request.policy, list(request.reference_ids) or None,
             overlap=request.overlap if request.HasField("overlap") else None)
         self.metrics.prompt_tokens.inc(result.prompt_tokens)
@@ -60,8 +65,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     def Draft(self, request: draft_pb2.DraftRequest, context: grpc.ServicerContext) -> Iterator[draft_pb2.DraftEvent]:
         started = time.perf_counter_ns()
+        session = session_key(caller_of(context), request.session_id)
+        self.engine.sessions.get(session)  # an unknown session first: NOT_FOUND, as without the checks below
         feedback = convert.feedback_from_pb(request.feedback) if request.HasField("feedback") else None
-        events = self.engine.draft(request.session_id, feedback, request.max_lookahead)
+        events = self.engine.draft(session, feedback, request.max_lookahead,
+                                   expected_length=convert.expected_length(request))
         # Drafting runs ahead of sending (see run_ahead); a cancelled stream closes the
         # engine's block generator, which releases the session for the next Draft call.
         yield from run_ahead(events, lambda event: self._to_pb(event, started), self.drafting_threads)
@@ -75,7 +83,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def EndSession(self, request: common_pb2.EndSessionRequest,
                    context: grpc.ServicerContext) -> common_pb2.EndSessionResponse:
         started = time.perf_counter_ns()
-        self.engine.end_session(request.session_id)
+        self.engine.end_session(session_key(caller_of(context), request.session_id))
         return common_pb2.EndSessionResponse(elapsed_ns=convert.elapsed_ns(started))
 
     def close(self) -> None:
@@ -88,4 +96,4 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                        self.forward_s, overlap=self.engine.overlap,
                                        batching=self.engine.batcher.verdict.detail,
                                        live_forward_s=self.engine.batcher.live_costs.seconds_by_rows(),
-                                       exactness=self.exactness.statement)
+                                       exactness=self.exactness.statement, security=self.security)

@@ -30,7 +30,8 @@ from typing import Any, AsyncIterator, Iterator, Sequence
 import grpc
 
 from protos.disco.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
-from protos.runtime.tls import TlsFiles, aio_channel, auth_metadata, auth_token_from_env, secure_channel
+from protos.runtime.auth import auth_metadata, auth_token_from_env
+from protos.runtime.tls import TlsFiles, aio_channel, secure_channel
 from protos.stats import stats_from_pb
 
 DEFAULT_TIMEOUT_S = 300.0

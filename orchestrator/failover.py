@@ -195,7 +195,8 @@ class FailoverDrafter(_StickySession):
         # block before verifying it, so this costs no latency.
         def invoke(client: RemoteDrafter, backend_id: str, fresh: bool) -> list[DraftEvent]:
             # A re-created session already holds the previous verdict's tokens.
-            return list(client.draft(backend_id, None if fresh else feedback, max_lookahead))
+            return list(client.draft(backend_id, None if fresh else feedback, max_lookahead,
+                                     expected_length=len(self.track.committed())))
 
         events = self._call(invoke)
         assert isinstance(events[-1], DraftSummary)
@@ -229,6 +230,7 @@ class FailoverVerifier(_StickySession):
         draft_token_ids: Sequence[int],
         draft_probs: torch.Tensor | None,  # [k, vocab] when sampling, else None
     ) -> VerifyResult:
-        verdict = self._call(lambda client, backend_id, fresh: client.verify(backend_id, draft_token_ids, draft_probs))
+        verdict = self._call(lambda client, backend_id, fresh: client.verify(
+            backend_id, draft_token_ids, draft_probs, expected_length=len(self.track.committed())))
         self.track.generated.extend(list(draft_token_ids[:verdict.num_accepted]) + [verdict.next_token_id])
         return verdict

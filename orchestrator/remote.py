@@ -127,9 +127,13 @@ class RemoteDrafter:
                                     self._service)
         return convert.prefill_from_pb(response)
 
-    def draft(self, session_id: str, feedback: Feedback | None, max_lookahead: int) -> Iterator[DraftEvent]:
+    def draft(self, session_id: str, feedback: Feedback | None, max_lookahead: int,
+              expected_length: int | None = None) -> Iterator[DraftEvent]:
+        """``expected_length``: the committed length once ``feedback`` is applied (the service
+        refuses a session at another length)."""
         request = draft_pb2.DraftRequest(session_id=session_id, max_lookahead=max_lookahead,
-                                         feedback=convert.feedback_to_pb(feedback) if feedback else None)
+                                         feedback=convert.feedback_to_pb(feedback) if feedback else None,
+                                         expected_length=expected_length)
         call = self._stub.Draft(request, timeout=self._scope.timeout())
         return self._scope.stream(call, self._service, convert.draft_event_from_pb)
 
@@ -162,9 +166,12 @@ class RemoteVerifier:
         session_id: str,
         draft_token_ids: Sequence[int],
         draft_probs: torch.Tensor | None,  # [k, vocab] when sampling, else None
+        expected_length: int | None = None,
     ) -> VerifyResult:
+        """``expected_length``: the committed length before the block (the service refuses a
+        session at another length)."""
         request = target_pb2.VerifyRequest(
-            session_id=session_id, draft_token_ids=list(draft_token_ids),
+            session_id=session_id, draft_token_ids=list(draft_token_ids), expected_length=expected_length,
             draft_probs=[convert.distribution_to_pb(row) for row in draft_probs] if draft_probs is not None else [])
         response = self._scope.call(lambda timeout: self._stub.Verify(request, timeout=timeout),
                                     self._service)

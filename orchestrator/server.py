@@ -12,7 +12,7 @@ from typing import Sequence
 import grpc
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from disco.errors import ModelError
+from disco.errors import DiscoError, ModelError
 from disco.models.default_pair import ensure_default_model
 from disco.models.gguf import convert_gguf
 from disco.models.loading import tokenizer_hash
@@ -22,7 +22,8 @@ from orchestrator.routing import ReplicaSet
 from orchestrator.servicer import SERVICE_NAME, OrchestratorLimits, OrchestratorServicer
 from protos.disco.v1 import orchestrator_pb2_grpc
 from protos.runtime.server import RunningServer, start_server
-from protos.runtime.tls import BearerTokenInterceptor, TlsFiles
+from protos.runtime.auth import BearerTokenInterceptor, TokenCallInterceptor
+from protos.runtime.tls import TlsFiles
 
 #: Largest public request accepted (gRPC's default is 4 MiB; a backend's is far larger
 #: since draft distributions travel between services).
@@ -52,7 +53,8 @@ def load_tokenizer(spec: str | None, home: Path) -> PreTrainedTokenizerBase:
 
 def serve(tokenizer: PreTrainedTokenizerBase, draft_address: str | ReplicaSet, target_address: str | ReplicaSet, *,
           host: str = "127.0.0.1", port: int = 0, limits: OrchestratorLimits = OrchestratorLimits(),
-          tls: TlsFiles | None = None, require_client_cert: bool = False, auth_token: str | None = None,
+          tls: TlsFiles | None = None, require_client_cert: bool = False,
+          auth_tokens: str | Sequence[str] | None = None, backend_token: str | None = None,
           metrics_port: int | None = None,
           backend_interceptors: Sequence[grpc.UnaryUnaryClientInterceptor] = ()) -> RunningServer:
     """Start the public ``disco.v1.Orchestrator`` service; returns at once.
@@ -71,15 +73,23 @@ def serve(tokenizer: PreTrainedTokenizerBase, draft_address: str | ReplicaSet, t
         tls: ``cert``/``key``: serve the public API over TLS and present them to the
             backends (mTLS client identity); ``ca``: verify the backends with it.
         require_client_cert: also require public clients to present a certificate signed by ``tls.ca``.
-        auth_token: require ``authorization: Bearer <auth_token>`` on the public API (health exempt).
+        auth_tokens: require ``authorization: Bearer <token>``, one of these (the public API's
+            keys), on the public API (health exempt); ``None`` or empty: no token.
+        backend_token: present ``authorization: Bearer <backend_token>`` on every call to the
+            backends (their credential, never a public token; :mod:`protos.runtime.auth`).
         metrics_port: serve Prometheus ``/metrics`` on ``host:metrics_port`` (0: a free port).
         backend_interceptors: client interceptors on every call to a backend (none by default).
 
     Raises:
         DiscoError: the address cannot be bound.
     """
+    tokens = (auth_tokens,) if isinstance(auth_tokens, str) else tuple(auth_tokens or ())
+    if backend_token and backend_token in tokens:
+        raise DiscoError("the backend token must differ from the public API's tokens (a public client would "
+                         "otherwise reach the backends)")
+    credential = (TokenCallInterceptor(backend_token),) if backend_token else ()
     backends = Backends(draft_address, target_address, tokenizer_hash(tokenizer), tls=tls,
-                        interceptors=backend_interceptors)
+                        interceptors=(*backend_interceptors, *credential))
     metrics = OrchestratorMetrics(tokenizer.name_or_path)
     servicer = OrchestratorServicer(tokenizer, backends, limits, metrics)
     serving_tls = tls if tls is not None and tls.cert is not None else None
@@ -87,5 +97,5 @@ def serve(tokenizer: PreTrainedTokenizerBase, draft_address: str | ReplicaSet, t
     return start_server([(orchestrator_pb2_grpc.add_OrchestratorServicer_to_server, servicer, SERVICE_NAME)],
                         host, port, max_workers=limits.max_sessions + 8, tls=serving_tls,
                         require_client_cert=require_client_cert, metrics=metrics, metrics_port=metrics_port,
-                        interceptors=[BearerTokenInterceptor(auth_token)] if auth_token else [],
+                        interceptors=[BearerTokenInterceptor(tokens)] if tokens else [],
                         max_receive_bytes=PUBLIC_MAX_RECEIVE_BYTES)

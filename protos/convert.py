@@ -14,12 +14,12 @@ import numpy as np
 import torch
 
 import disco
-from disco.config import SamplingParams
+from disco.config import MAX_LOOKAHEAD_LIMIT, SamplingParams
 from disco.engines.sessions import SessionLimits
 from disco.errors import InvalidRequest
 from disco.interfaces import DraftEvent, DraftSummary, DraftToken, Feedback, PrefillResult
 from disco.models.loading import LoadedModel
-from protos.disco.v1 import common_pb2, draft_pb2
+from protos.disco.v1 import common_pb2, draft_pb2, target_pb2
 
 #: Refuse distributions larger than any real vocabulary (protects the receiver's memory).
 MAX_VOCAB_SIZE = 1 << 22
@@ -114,15 +114,46 @@ def distribution_from_pb(message: common_pb2.Distribution, field: str = "draft_p
     return torch.from_numpy(values)
 
 
-def distributions_from_pb(messages: Sequence[common_pb2.Distribution],
-                          device: torch.device | str = "cpu") -> torch.Tensor | None:
-    """Decode a block's distributions to ``[k, vocab]`` on ``device`` (``None`` if empty)."""
+def distributions_from_pb(messages: Sequence[common_pb2.Distribution], device: torch.device | str = "cpu", *,
+                          num_tokens: int | None = None, vocab_size: int | None = None,
+                          max_rows: int = MAX_LOOKAHEAD_LIMIT) -> torch.Tensor | None:
+    """Decode a block's distributions to ``[k, vocab]`` on ``device`` (``None`` if empty).
+
+    Every budget is checked before anything is allocated: the count (``num_tokens``, one per
+    draft token, and at most ``max_rows``, the lookahead cap) and each ``vocab_size`` (the
+    model's, when given), so a small message cannot make the server expand large tensors.
+
+    Raises:
+        InvalidRequest: a count or a vocab_size that does not match, or a malformed distribution.
+    """
     if not messages:
         return None
+    if len(messages) > max_rows:
+        raise InvalidRequest(f"draft_probs: {len(messages)} distributions, at most {max_rows} (the lookahead cap)")
+    if num_tokens is not None and len(messages) != num_tokens:
+        raise InvalidRequest(f"draft_probs: {len(messages)} distributions for {num_tokens} draft tokens "
+                             "(one per draft token, or none under greedy decoding)")
+    expected = vocab_size if vocab_size is not None else messages[0].vocab_size
+    for i, message in enumerate(messages):
+        if message.vocab_size != expected:
+            raise InvalidRequest(f"draft_probs[{i}]: vocab_size {message.vocab_size}, expected {expected}"
+                                 + (" (the model's)" if vocab_size is not None else " (as draft_probs[0])"))
     rows = [distribution_from_pb(message, f"draft_probs[{i}]") for i, message in enumerate(messages)]
-    if len({row.shape[0] for row in rows}) != 1:
-        raise InvalidRequest("draft_probs: every distribution of a block must have the same vocab_size")
     return torch.stack(rows).to(device)
+
+
+def expected_length(request: draft_pb2.DraftRequest | target_pb2.VerifyRequest) -> int:
+    """The required ``expected_length`` of a Draft or Verify request.
+
+    Raises:
+        InvalidRequest: it is absent or negative.
+    """
+    if not request.HasField("expected_length"):
+        raise InvalidRequest("expected_length is required (the session's committed length: prompt + every "
+                             "accepted and bonus token)")
+    if request.expected_length < 0:
+        raise InvalidRequest(f"expected_length must be >= 0, got {request.expected_length}")
+    return request.expected_length
 
 
 def feedback_to_pb(feedback: Feedback) -> common_pb2.Feedback:
@@ -171,14 +202,16 @@ def draft_event_from_pb(message: draft_pb2.DraftEvent) -> DraftEvent:
 def service_info_pb(role: str, loaded: LoadedModel, max_context: int, active_sessions: int,
                     limits: SessionLimits, started_ns: int, forward_s: Sequence[float] = (),
                     overlap: bool = False, batching: str = "",
-                    live_forward_s: Sequence[float] = (), exactness: str = "") -> common_pb2.ServiceInfo:
+                    live_forward_s: Sequence[float] = (), exactness: str = "",
+                    security: str = "") -> common_pb2.ServiceInfo:
     """What a backend serves (its ``Info`` answer); ``forward_s``: its measured forward costs;
     ``live_forward_s``: the forward seconds it observed while serving, by rows
     (:class:`disco.engines.live_costs.LiveCosts`);
     ``overlap``: the draft engine pre-drafts (overlapped drafting); ``batching``: how
     concurrent sessions' forwards run (:class:`disco.engines.packing_proof.PackingVerdict`);
     ``exactness``: whether greedy output is proven equal to target-only on its device
-    (:class:`disco.engines.packing_proof.Exactness`)."""
+    (:class:`disco.engines.packing_proof.Exactness`); ``security``: how it authenticates its
+    callers (:meth:`protos.runtime.backend_security.BackendSecurity.statement`)."""
     parameter = next(loaded.model.parameters())
     return common_pb2.ServiceInfo(
         role=role, model_name=loaded.name, fingerprint=loaded.fingerprint, tokenizer_hash=loaded.tokenizer_hash,
@@ -187,4 +220,4 @@ def service_info_pb(role: str, loaded: LoadedModel, max_context: int, active_ses
         active_sessions=active_sessions, max_sessions=limits.max_sessions, idle_ttl_s=limits.idle_ttl_s,
         version=disco.__version__, elapsed_ns=elapsed_ns(started_ns), forward_s=list(forward_s),
         overlap=overlap, batching=batching, live_forward_s=list(live_forward_s), exactness=exactness,
-        kernel=loaded.kernel)
+        kernel=loaded.kernel, security=security)

@@ -10,13 +10,15 @@ from disco.models.loading import LoadedModel
 from protos.disco.v1 import target_pb2_grpc
 from protos.runtime.metrics import ServerMetrics
 from protos.runtime.server import RunningServer, start_server
+from protos.runtime.backend_security import BackendSecurity
 from protos.runtime.tls import TlsFiles
 from target_service.servicer import SERVICE_NAME, TargetServicer
 
 
 def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0, limits: SessionLimits = SessionLimits(),
           max_prompt_tokens: int | None = None, tls: TlsFiles | None = None,
-          metrics_port: int | None = None, forward_s: Sequence[float] = ()) -> RunningServer:
+          metrics_port: int | None = None, forward_s: Sequence[float] = (),
+          security: BackendSecurity = BackendSecurity()) -> RunningServer:
     """Start serving ``loaded`` as the target model; returns at once (the server runs in threads).
 
     Args:
@@ -29,16 +31,22 @@ def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0, limits
         tls: serve TLS; with ``tls.ca`` clients must present a certificate it signed (mTLS).
         metrics_port: serve Prometheus ``/metrics`` on ``host:metrics_port`` (0: a free port).
         forward_s: the model's measured forward costs (:mod:`disco.engines.engine_costs`), reported by ``Info``.
+        security: the credentials callers must present (:class:`BackendSecurity`: the backend token,
+            ``--insecure``); checked against ``host`` and ``tls`` before anything is bound.
 
     Raises:
-        DiscoError: the address cannot be bound.
+        DiscoError: the address cannot be bound, or it would be reachable without credentials
+            (:meth:`BackendSecurity.statement`).
     """
+    statement = security.statement(host, tls)  # refuses an exposed backend before any work
+    security.warn(statement)
     engine = TargetEngine(loaded.model, limits)
     metrics = ServerMetrics("target", loaded.name)
     metrics.track_batches(lambda: engine.batcher.batch_sizes, engine.batcher.packed,
                           engine.batcher.verdict.detail)
     metrics.track_live_costs(engine.batcher.live_costs.seconds_by_rows)
-    servicer = TargetServicer(engine, loaded, limits, max_prompt_tokens, metrics, forward_s)
+    metrics.describe_security(statement)
+    servicer = TargetServicer(engine, loaded, limits, max_prompt_tokens, metrics, forward_s, statement)
     return start_server([(target_pb2_grpc.add_TargetServiceServicer_to_server, servicer, SERVICE_NAME)],
                         host, port, max_workers=limits.max_sessions + 8, tls=tls, metrics=metrics,
-                        metrics_port=metrics_port)
+                        metrics_port=metrics_port, interceptors=security.interceptors())

@@ -1,5 +1,8 @@
 """``disco.v1.TargetService``: validate → convert → :class:`TargetEngine` → convert back.
 
+Sessions are keyed by (authenticated caller, session id) (:func:`protos.runtime.auth.session_key`):
+a session belongs to the caller that started it.
+
 Domain errors raised by the engine become status codes in
 :class:`protos.runtime.server.ErrorInterceptor`; nothing here catches them.
 """
@@ -14,10 +17,10 @@ import grpc
 from disco.engines.packing_proof import exactness_for
 from disco.engines.sessions import SessionLimits
 from disco.engines.target import TargetEngine
-from disco.errors import InvalidRequest
 from disco.models.loading import LoadedModel
 from protos import convert
 from protos.disco.v1 import common_pb2, target_pb2, target_pb2_grpc
+from protos.runtime.auth import caller_of, session_key
 from protos.runtime.metrics import ServerMetrics
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
@@ -28,10 +31,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     def __init__(self, engine: TargetEngine, loaded: LoadedModel, limits: SessionLimits,
                  max_prompt_tokens: int | None = None, metrics: ServerMetrics | None = None,
-                 forward_s: Sequence[float] = ()) -> None:
+                 forward_s: Sequence[float] = (), security: str = "") -> None:
         self.engine = engine
         self.loaded = loaded
         self.forward_s = tuple(forward_s)  # measured forward costs, reported by Info
+        self.security = security  # how callers are authenticated (BackendSecurity.statement), reported by Info
         self.limits = limits
         self.max_prompt_tokens = max_prompt_tokens  # applies to re-prefills too (prompt + tokens so far)
         self.metrics = metrics or ServerMetrics("target", loaded.name)
@@ -43,26 +47,30 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     def StartSession(self, request: target_pb2.StartTargetSessionRequest,
                      context: grpc.ServicerContext) -> common_pb2.StartSessionResponse:
+        session = session_key(caller_of(context), request.session_id)
         convert.check_prompt_length(len(request.prompt_ids), self.max_prompt_tokens, "the target service")
-        result = self.engine.start_session(
-            request.session_id, list(request.prompt_ids), convert.sampling_from_pb(request.sampling))
+        result = self.engine.start_session(session, list(request.prompt_ids),
+                                           convert.sampling_from_pb(request.sampling))
         self.metrics.prompt_tokens.inc(result.prompt_tokens)
         return convert.prefill_to_pb(result)
 
     def Verify(self, request: target_pb2.VerifyRequest, context: grpc.ServicerContext) -> target_pb2.VerifyResponse:
         started = time.perf_counter_ns()
-        draft_probs = convert.distributions_from_pb(request.draft_probs, self.device)  # [k, vocab] or None
-        if draft_probs is not None and any(token >= draft_probs.shape[-1] for token in request.draft_token_ids):
-            raise InvalidRequest(f"draft_token_ids: every id must be < the vocab_size of draft_probs "
-                                 f"({draft_probs.shape[-1]})")
-        verdict = self.engine.verify(request.session_id, list(request.draft_token_ids), draft_probs)
+        session = session_key(caller_of(context), request.session_id)
+        self.engine.sessions.get(session)  # an unknown session costs no decoding
+        expected_length = convert.expected_length(request)
+        draft_probs = convert.distributions_from_pb(  # [k, vocab] or None; budgets checked first
+            request.draft_probs, self.device, num_tokens=len(request.draft_token_ids),
+            vocab_size=self.engine.vocab_size)
+        verdict = self.engine.verify(session, list(request.draft_token_ids), draft_probs,
+                                     expected_length=expected_length)
         return target_pb2.VerifyResponse(num_accepted=verdict.num_accepted, bonus_token_id=verdict.next_token_id,
                                          forward_ns=verdict.forward_ns, elapsed_ns=convert.elapsed_ns(started))
 
     def EndSession(self, request: common_pb2.EndSessionRequest,
                    context: grpc.ServicerContext) -> common_pb2.EndSessionResponse:
         started = time.perf_counter_ns()
-        self.engine.end_session(request.session_id)
+        self.engine.end_session(session_key(caller_of(context), request.session_id))
         return common_pb2.EndSessionResponse(elapsed_ns=convert.elapsed_ns(started))
 
     def Info(self, request: common_pb2.ServiceInfoRequest, context: grpc.ServicerContext) -> common_pb2.ServiceInfo:
@@ -70,4 +78,4 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                        self.engine.active_sessions(), self.limits, time.perf_counter_ns(),
                                        self.forward_s, batching=self.engine.batcher.verdict.detail,
                                        live_forward_s=self.engine.batcher.live_costs.seconds_by_rows(),
-                                       exactness=self.exactness.statement)
+                                       exactness=self.exactness.statement, security=self.security)

@@ -88,7 +88,8 @@ def test_malformed_distribution_is_invalid_argument(grpc_stacks):
                              (common_pb2.Distribution(vocab_size=0), "vocab_size"),
                              (common_pb2.Distribution(vocab_size=512), "no values")]:
             with pytest.raises(grpc.RpcError) as raised:
-                target.Verify(target_pb2.VerifyRequest(session_id="s1", draft_token_ids=[3], draft_probs=[bad]),
+                target.Verify(target_pb2.VerifyRequest(session_id="s1", draft_token_ids=[3], draft_probs=[bad],
+                                                       expected_length=2),
                               timeout=10)
             assert raised.value.code() == Code.INVALID_ARGUMENT and message in raised.value.details()
     finally:
@@ -102,6 +103,7 @@ def test_unexpected_errors_are_internal_with_a_generic_message(target_model, tok
         raise RuntimeError("secret internal detail")
 
     running.servicers[0].engine.draft = broken
+    running.servicers[0].engine.sessions.get = broken
     running.servicers[0].engine.active_sessions = broken
     stub = draft_pb2_grpc.DraftServiceStub(grpc.insecure_channel(running.address))
     try:

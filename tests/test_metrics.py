@@ -96,7 +96,7 @@ def test_errors_and_fallbacks_are_counted(stack, tokenizer):
     # A second orchestrator whose draft is down: served target-only, one fallback; its
     # registry is its own (the first orchestrator's counters do not move).
     orch = orchestrator.server.serve(tokenizer, f"127.0.0.1:{free_port()}", stack["target"].address,
-                                     metrics_port=0, auth_token="t")
+                                     metrics_port=0, auth_tokens="t")
     try:
         first = scrape(stack["orchestrator"])
         with DiscoClient(orch.address, timeout=60, auth_token="t") as client:

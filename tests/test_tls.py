@@ -40,7 +40,7 @@ def secure_stack(pki, target_model, drafts, tokenizer):
     target = target_service.server.serve(loaded(target_model, tokenizer, "tiny-target"), tls=backend_tls)
     draft = draft_service.server.serve(loaded(drafts["noisy"], tokenizer, "tiny-noisy"), tls=backend_tls)
     identity = pki["orchestrator"]
-    orch = orchestrator.server.serve(tokenizer, draft.address, target.address, auth_token=TOKEN,
+    orch = orchestrator.server.serve(tokenizer, draft.address, target.address, auth_tokens=TOKEN,
                                      tls=TlsFiles.from_paths(identity.cert, identity.key, pki["ca"].ca))
     yield {"orchestrator": orch, "draft": draft, "target": target}
     for running in (orch, draft, target):

@@ -21,7 +21,7 @@ from disco.engines.kv import CachedSequence
 from disco.engines.predraft import Predraft, can_predraft
 from disco.engines.sessions import KvBudget, SessionLimits, SessionStore
 from disco.engines.static_runner import static_runner_for
-from disco.errors import InvalidRequest, ModelError, SessionNotFound
+from disco.errors import InvalidRequest, ModelError, SessionMismatch, SessionNotFound
 from disco.interfaces import DraftEvent, DraftSummary, DraftToken, Feedback, PrefillResult
 from disco.speculation.policies import Decision, PolicyFactory, StopPolicy, block_budget
 from disco.speculation.sampling import logits_to_probs, make_generator, sample, to_host
@@ -143,14 +143,28 @@ class DraftEngine:
         if predraft is not None:
             predraft.finish()  # no worker thread outlives its session
 
-    def draft(self, session_id: str, feedback: Feedback | None, max_lookahead: int) -> Iterator[DraftEvent]:
+    def draft(self, session_id: str, feedback: Feedback | None, max_lookahead: int,
+              expected_length: int | None = None) -> Iterator[DraftEvent]:
+        """:meth:`disco.interfaces.Drafter.draft`; ``expected_length``: the caller's committed
+        length of the session once ``feedback`` is applied (the gRPC path always sends it):
+        another length is refused (:class:`SessionMismatch`) before anything changes."""
         session = self.sessions.get(session_id)
         if max_lookahead < 0:
             raise InvalidRequest(f"max_lookahead must be >= 0, got {max_lookahead}")
         predraft = session.predraft
         if predraft is not None:
             predraft.stop.set()  # at once: the block below waits for it when it starts
-        return self._draft_block(session, session_id, feedback, max_lookahead)
+        return self._draft_block(session, session_id, feedback, max_lookahead, expected_length)
+
+    @staticmethod
+    def _check_length(session: DraftSession, feedback: Feedback | None, expected_length: int | None) -> None:
+        """The session's length once the (checked) feedback is applied must be the caller's."""
+        if expected_length is None:
+            return
+        length = len(session.sequence) if feedback is None else session.block_base + feedback.num_accepted + 1
+        if length != expected_length:
+            raise SessionMismatch(f"session holds {length} tokens after this feedback, the call expects "
+                                  f"{expected_length}")
 
     def _check_feedback(self, session: DraftSession, feedback: Feedback | None) -> None:
         if feedback is None:
@@ -166,7 +180,7 @@ class DraftEngine:
             raise InvalidRequest(f"bonus token id {feedback.next_token_id} is outside the vocabulary")
 
     def _draft_block(self, session: DraftSession, session_id: str, feedback: Feedback | None,
-                     max_lookahead: int) -> Iterator[DraftEvent]:
+                     max_lookahead: int, expected_length: int | None = None) -> Iterator[DraftEvent]:
         """The drafting loop. The session lock is taken when iteration starts (so a
         generator that is dropped unstarted holds nothing) and released when it ends."""
         started = now_ns(self.device)
@@ -175,6 +189,7 @@ class DraftEngine:
         handed_out = False
         try:
             self._check_feedback(session, feedback)
+            self._check_length(session, feedback, expected_length)
             start = self._start_block(session, feedback, max_lookahead)
             sequence, policy = session.sequence, session.policy
             for token in start.tokens:  # an overlap hit: already drafted (and in the sequence)

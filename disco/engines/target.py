@@ -20,7 +20,7 @@ from disco.engines.device_clock import now_ns
 from disco.engines.kv import CachedSequence
 from disco.engines.sessions import KvBudget, SessionLimits, SessionStore
 from disco.engines.static_runner import static_runner_for
-from disco.errors import InvalidRequest
+from disco.errors import InvalidRequest, SessionMismatch
 from disco.interfaces import PrefillResult, VerifyResult
 from disco.speculation.sampling import greedy_accept, logits_to_probs, make_generator, rejection_sample
 
@@ -85,7 +85,11 @@ class TargetEngine:
         session_id: str,
         draft_token_ids: Sequence[int],
         draft_probs: torch.Tensor | None,  # [k, vocab] when sampling, else None
+        expected_length: int | None = None,
     ) -> VerifyResult:
+        """:meth:`disco.interfaces.Verifier.verify`; ``expected_length``: the caller's committed
+        length of the session (the gRPC path always sends it): another length is refused
+        (:class:`SessionMismatch`) before anything changes."""
         started = now_ns(self.device)
         session = self.sessions.get(session_id)
         draft_token_ids = list(draft_token_ids)
@@ -99,6 +103,8 @@ class TargetEngine:
             raise InvalidRequest(f"session {session_id!r} is already verifying")
         try:
             sequence = session.sequence
+            if expected_length is not None and len(sequence) != expected_length:
+                raise SessionMismatch(f"session holds {len(sequence)} tokens, the call expects {expected_length}")
             if len(sequence) + num_draft + 1 > self.max_context:
                 raise InvalidRequest("block would exceed the target model's context")
             base = len(sequence)

@@ -67,9 +67,46 @@ def add_server_security_args(parser: argparse.ArgumentParser, orchestrator: bool
                            help="name the backends' certificates carry, when it differs from their address's host")
         group.add_argument("--tls-require-client-cert", action="store_true",
                            help="also require public clients to present a certificate signed by --tls-ca")
-        group.add_argument("--auth-token", default=None, metavar="TOKEN",
-                           help="require `authorization: Bearer TOKEN` on the public API (health checks exempt); "
-                                "default $DISCO_AUTH_TOKEN; prefer the variable: a flag shows in `ps`")
+        group.add_argument("--auth-token", default=None, metavar="TOKEN", help=argparse.SUPPRESS)
+        add_auth_token_file_arg(group, "require `authorization: Bearer TOKEN` on the public API, TOKEN one of the "
+                                       "file's lines (several API keys); health checks exempt")
+    add_backend_security_args(group, orchestrator)
+
+
+def add_auth_token_file_arg(group: argparse._ArgumentGroup, what: str) -> None:
+    """``--auth-token-file``: the public API's token(s), one per line; read them with
+    :func:`public_tokens_from_args` (else ``$DISCO_AUTH_TOKEN``; ``--auth-token`` is kept
+    hidden for old scripts: a flag shows in ``ps``)."""
+    group.add_argument("--auth-token-file", default=None, metavar="FILE",
+                       help=f"{what} (default: $DISCO_AUTH_TOKEN; never put a token on a command line)")
+
+
+def public_tokens_from_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The public API's tokens of ``--auth-token-file``, the hidden ``--auth-token`` or ``$DISCO_AUTH_TOKEN``."""
+    from protos.runtime.auth import public_tokens  # noqa: PLC0415 - grpc only when used
+
+    return public_tokens(getattr(args, "auth_token", None), getattr(args, "auth_token_file", None))
+
+
+def add_backend_security_args(group: argparse._ArgumentGroup, orchestrator: bool = False) -> None:
+    """``--backend-token-file`` (both sides) and ``--insecure`` (backends): the backend credential."""
+    group.add_argument("--backend-token-file", default=None, metavar="FILE",
+                       help=("present the first token of FILE to the backends as `authorization: Bearer`" if orchestrator
+                             else "accept only callers presenting one of FILE's tokens (one per line)")
+                       + " (default: $DISCO_BACKEND_TOKEN); never the public API's token (docs/security.md)")
+    if not orchestrator:
+        group.add_argument("--insecure", action="store_true",
+                           help="serve on a non-loopback interface without TLS client authentication (refused "
+                                "otherwise): anyone who can reach the port can use the model; reported by Info "
+                                "and /metrics")
+
+
+def backend_security_from_args(args: argparse.Namespace):
+    """The :class:`~protos.runtime.backend_security.BackendSecurity` of a backend's flags."""
+    from protos.runtime.auth import backend_tokens  # noqa: PLC0415 - grpc only when used
+    from protos.runtime.backend_security import BackendSecurity  # noqa: PLC0415
+
+    return BackendSecurity(backend_tokens(args.backend_token_file), insecure=args.insecure)
 
 
 def add_deployment_security_args(parser: argparse.ArgumentParser, title: str, require_client_cert: bool = False,
@@ -88,8 +125,8 @@ def add_deployment_security_args(parser: argparse.ArgumentParser, title: str, re
     if require_client_cert:
         group.add_argument("--tls-require-client-cert", action="store_true",
                            help="also require public clients to present a certificate signed by --tls-ca")
-    group.add_argument("--auth-token", default=None, metavar="TOKEN",
-                       help="bearer token of the public API (default $DISCO_AUTH_TOKEN)" + token_note)
+    group.add_argument("--auth-token", default=None, metavar="TOKEN", help=argparse.SUPPRESS)
+    add_auth_token_file_arg(group, "bearer token(s) of the public API, one per line" + token_note)
 
 
 def add_client_security_args(parser: argparse.ArgumentParser) -> None:
@@ -102,16 +139,18 @@ def add_client_security_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
     group.add_argument("--tls-server-name", default=None, metavar="NAME",
                        help="name to check the server certificate against (default: the host of --server)")
-    group.add_argument("--auth-token", default=None, metavar="TOKEN",
-                       help="bearer token of the server (default $DISCO_AUTH_TOKEN)")
+    group.add_argument("--auth-token", default=None, metavar="TOKEN", help=argparse.SUPPRESS)
+    add_auth_token_file_arg(group, "bearer token of the server (the file's first line)")
 
 
 def client_from_args(args: argparse.Namespace, timeout: float | None):
     """A :class:`~orchestrator.client.DiscoClient` for ``--server`` with the security flags."""
     from orchestrator.client import DiscoClient  # noqa: PLC0415 - grpc only when used
 
+    tokens = public_tokens_from_args(args)
     return DiscoClient(args.server, timeout=timeout, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
-                       tls_key=args.tls_key, tls_server_name=args.tls_server_name, auth_token=args.auth_token)
+                       tls_key=args.tls_key, tls_server_name=args.tls_server_name,
+                       auth_token=tokens[0] if tokens else None)
 
 
 def add_operations_args(parser: argparse.ArgumentParser) -> None:

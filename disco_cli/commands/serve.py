@@ -27,8 +27,10 @@ from disco_cli.commands.common import (
     add_model_args,
     add_operations_args,
     add_server_security_args,
+    backend_security_from_args,
     dtype_from_args,
     pair_config_from_args,
+    public_tokens_from_args,
 )
 from orchestrator.http import DEFAULT_HTTP_PORT
 
@@ -167,6 +169,8 @@ def _run_backend(args: argparse.Namespace) -> int:
     tls = TlsFiles.from_paths(args.tls_cert, args.tls_key, args.tls_ca)  # checked before the model loads
     if tls is not None and tls.cert is None:
         raise DiscoError("--tls-ca on a backend needs --tls-cert and --tls-key (its own certificate)")
+    security = backend_security_from_args(args)
+    security.statement(args.host, tls)  # an exposed backend is refused before its model loads
     if args.threads:
         torch.set_num_threads(args.threads)
     config = ModelConfig(spec=args.model, dtype=dtype_from_args(args, args.role), device=args.device)
@@ -175,7 +179,8 @@ def _run_backend(args: argparse.Namespace) -> int:
     limits = SessionLimits(max_sessions=args.max_sessions, idle_ttl_s=args.idle_ttl, max_kv_bytes=args.max_kv_bytes,
                            static_slots=args.static_slots, static_capacity=args.static_capacity)
     options = dict(host=args.host, port=args.port, limits=limits, max_prompt_tokens=args.max_prompt_tokens or None,
-                   tls=tls, metrics_port=args.metrics_port, forward_s=costs.forward_s if costs else ())
+                   tls=tls, metrics_port=args.metrics_port, forward_s=costs.forward_s if costs else (),
+                   security=security)
     if args.role == "draft":
         running = draft_service.server.serve(
             loaded, artifact_dirs=args.artifact_dir or [disco_home() / "artifacts"], overlap=overlap_from_args(args),
@@ -184,7 +189,6 @@ def _run_backend(args: argparse.Namespace) -> int:
         running = target_service.server.serve(loaded, **options)
     if running.metrics is not None:
         running.metrics.describe_engine(config.dtype, config.device, costs.forward_s if costs else ())
-    _warn_if_exposed(args.host, tls is not None)
     _announce(args.role, running.address, loaded.name, args.json, running.metrics_address)
     serve_until_signal([running])
     return 0
@@ -222,19 +226,26 @@ def run_orchestrator(args: argparse.Namespace, backend_interceptors: Sequence = 
     from disco.models.loading import disco_home  # noqa: PLC0415
     from orchestrator.server import load_tokenizer, serve  # noqa: PLC0415
     from orchestrator.servicer import OrchestratorLimits  # noqa: PLC0415
+    from protos.runtime.auth import backend_tokens  # noqa: PLC0415
     from protos.runtime.server import serve_until_signal  # noqa: PLC0415
-    from protos.runtime.tls import TlsFiles, auth_token_from_env  # noqa: PLC0415
+    from protos.runtime.tls import TlsFiles  # noqa: PLC0415
 
     _configure_logging(args.log_format)
     tls = TlsFiles.from_paths(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
-    token = auth_token_from_env(args.auth_token)
+    tokens = public_tokens_from_args(args)
+    backend_token = next(iter(backend_tokens(args.backend_token_file)), None)
+    if backend_token is None and not (tls is not None and tls.cert is not None and tls.ca is not None):
+        logging.getLogger(__name__).warning(
+            "no backend credential (set $DISCO_BACKEND_TOKEN or --backend-token-file, or mTLS with --tls-cert, "
+            "--tls-key and --tls-ca): only backends that accept anonymous callers on loopback will answer")
     tokenizer = load_tokenizer(args.model, disco_home())
     limits = OrchestratorLimits(max_new_tokens=args.max_new_tokens_limit, max_sessions=args.max_sessions,
                                 max_prompt_tokens=args.max_prompt_tokens)
     running = serve(tokenizer, args.draft, args.target, host=args.host, port=args.port, limits=limits, tls=tls,
-                    require_client_cert=args.tls_require_client_cert, auth_token=token,
-                    metrics_port=args.metrics_port, backend_interceptors=backend_interceptors)
-    _warn_if_exposed(args.host, running.tls, token)
+                    require_client_cert=args.tls_require_client_cert, auth_tokens=tokens,
+                    backend_token=backend_token, metrics_port=args.metrics_port,
+                    backend_interceptors=backend_interceptors)
+    _warn_if_exposed(args.host, running.tls, bool(tokens))
     _announce("orchestrator", running.address, tokenizer.name_or_path, args.json, running.metrics_address)
     serve_until_signal([running])
     return 0
@@ -242,14 +253,16 @@ def run_orchestrator(args: argparse.Namespace, backend_interceptors: Sequence = 
 
 def _run_serve(args: argparse.Namespace) -> int:
     from disco_cli.launcher import ServiceOptions, launch  # noqa: PLC0415
-    from protos.runtime.tls import TlsFiles, auth_token_from_env  # noqa: PLC0415
+    from protos.runtime.tls import TlsFiles  # noqa: PLC0415
 
     tls = TlsFiles.from_paths(args.tls_cert, args.tls_key, args.tls_ca)  # fail here, not in three children
     if tls is not None and tls.cert is None:
         raise DiscoError("--tls-ca needs --tls-cert and --tls-key (the services' certificate)")
+    tokens = public_tokens_from_args(args)  # read here: a bad file fails before any child starts
     options = ServiceOptions(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
-                             tls_server_name=args.tls_server_name, auth_token=auth_token_from_env(args.auth_token),
-                             metrics_port=args.metrics_port, max_prompt_tokens=args.max_prompt_tokens,
+                             tls_server_name=args.tls_server_name,
+                             auth_token=None if args.auth_token_file else next(iter(tokens), None),
+                             auth_token_file=args.auth_token_file, metrics_port=args.metrics_port, max_prompt_tokens=args.max_prompt_tokens,
                              log_format=args.log_format, artifact_dirs=tuple(args.artifact_dir or ()),
                              max_kv_bytes=args.max_kv_bytes)
     services = launch(pair_config_from_args(args), host=args.host, port=args.port, threads=args.threads,
@@ -257,7 +270,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     gateway = None
     try:
         if args.http_port is not None:  # after the orchestrator is up: the gateway's first Info reaches it
-            gateway = _start_http(args, services.addresses["orchestrator"], options.auth_token)
+            gateway = _start_http(args, services.addresses["orchestrator"], tokens)
         if args.json:  # with --metrics-port, also {"metrics": {service: HOST:PORT}}; with --http-port, "http"
             announced = {name: services.addresses[name] for name in ("orchestrator", "draft", "target")}
             if gateway is not None:
@@ -309,7 +322,7 @@ def _announce(service: str, address: str, model: str, as_json: bool, metrics: st
               + (f", metrics on http://{metrics}/metrics" if metrics else ""), flush=True)
 
 
-def _warn_if_exposed(host: str, tls: bool, token: str | None = None) -> None:
+def _warn_if_exposed(host: str, tls: bool, token: bool = False) -> None:
     """Binding beyond loopback without TLS (or sending a token in clear) deserves a warning."""
     if host in ("127.0.0.1", "localhost", "::1", "[::1]"):
         return

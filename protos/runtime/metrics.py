@@ -90,6 +90,16 @@ class ServerMetrics:
         Info("disco_exactness", "Whether greedy speculative output is proven equal to target-only here, and how",
              registry=self.registry).info({"statement": statement})
 
+    def describe_security(self, statement: str) -> None:
+        """State how this backend authenticates its callers (``disco_insecure``: 1 when it
+        serves beyond loopback without client authentication, ``--insecure``;
+        ``disco_security_info{statement}``: :meth:`BackendSecurity.statement`)."""
+        Gauge("disco_insecure", "1: this backend is reachable beyond loopback without client authentication "
+              "(--insecure); 0: every call is authenticated or it listens on loopback only",
+              registry=self.registry).set(int(statement.startswith("INSECURE")))
+        Info("disco_security", "How this backend authenticates its callers", registry=self.registry).info(
+            {"statement": statement})
+
     def track_live_costs(self, seconds_by_rows: Callable[[], Sequence[float]]) -> None:
         """``disco_forward_seconds_live{rows}``: the engine's observed forward seconds by rows
         (:class:`disco.engines.live_costs.LiveCosts`), read at every scrape; row counts

@@ -35,6 +35,7 @@ from disco.errors import (
     InvalidRequest,
     ModelError,
     ResourceExhausted,
+    SessionMismatch,
     SessionNotFound,
     Unavailable,
 )
@@ -95,6 +96,7 @@ STATUS_BY_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (SessionNotFound, grpc.StatusCode.NOT_FOUND),
     (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (SessionMismatch, grpc.StatusCode.FAILED_PRECONDITION),
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
     (ModelError, grpc.StatusCode.FAILED_PRECONDITION),
     (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),

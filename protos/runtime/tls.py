@@ -1,12 +1,12 @@
-"""TLS, mutual TLS and the bearer token of the public API.
+"""TLS and mutual TLS of the services and their clients.
 
 * :class:`TlsFiles` — the ``--tls-cert/--tls-key/--tls-ca`` PEM files of one process,
   read once; :meth:`TlsFiles.server_credentials` for its server and
   :meth:`TlsFiles.channel_credentials` for its clients (the orchestrator presents the
   same certificate to the backends as its client identity).
 * :func:`secure_channel` / :func:`aio_channel` — a channel, TLS when files are given.
-* :class:`BearerTokenInterceptor` — ``UNAUTHENTICATED`` unless the call carries
-  ``authorization: Bearer <token>``; health checks and reflection are exempt.
+
+Tokens (the public one and the backend credential) live in :mod:`protos.runtime.auth`.
 
 Roles (see docs/operations.md): a backend started with ``--tls-ca`` requires a client
 certificate signed by that CA (mTLS); the orchestrator verifies the backends with its
@@ -15,23 +15,14 @@ certificate signed by that CA (mTLS); the orchestrator verifies the backends wit
 
 from __future__ import annotations
 
-import hmac
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import grpc
 
 from disco.errors import DiscoError
-
-#: Environment variable holding the bearer token (server and clients), so that it never
-#: appears on a command line (``/proc/*/cmdline`` is world-readable).
-AUTH_TOKEN_ENV = "DISCO_AUTH_TOKEN"
-#: Call metadata key of the token (lower case, as gRPC requires).
-AUTH_METADATA_KEY = "authorization"
-#: Methods under these prefixes need no token (load balancers and tools must reach them).
-UNAUTHENTICATED_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
 @dataclass(frozen=True)
@@ -111,59 +102,3 @@ def aio_channel(address: str, tls: TlsFiles | None, options: Sequence[tuple[str,
     if tls is None:
         return grpc.aio.insecure_channel(address, options=list(options))
     return grpc.aio.secure_channel(address, tls.channel_credentials(), options=[*options, *tls.channel_options()])
-
-
-def auth_token_from_env(token: str | None = None) -> str | None:
-    """``token`` if given, else ``$DISCO_AUTH_TOKEN``; empty means none."""
-    token = token if token is not None else os.environ.get(AUTH_TOKEN_ENV)
-    return token or None
-
-
-def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
-    """The call metadata that carries ``token`` (empty without one)."""
-    return ((AUTH_METADATA_KEY, f"Bearer {token}"),) if token else ()
-
-
-class BearerTokenInterceptor(grpc.ServerInterceptor):
-    """Refuses calls without ``authorization: Bearer <token>`` with ``UNAUTHENTICATED``.
-
-    The comparison takes constant time; health checks and reflection are exempt. The
-    handler is swapped before the request is read, so a refused call costs no work.
-    """
-
-    def __init__(self, token: str) -> None:
-        if not token:
-            raise DiscoError("the auth token is empty")
-        self._expected = f"Bearer {token}".encode()
-
-    def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails) -> Any:
-        handler = continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(UNAUTHENTICATED_PREFIXES):
-            return handler
-        presented = dict(handler_call_details.invocation_metadata or ()).get(AUTH_METADATA_KEY, "")
-        presented = presented.encode() if isinstance(presented, str) else bytes(presented)
-        if hmac.compare_digest(presented, self._expected):
-            return handler
-        return _refusing(handler)
-
-
-_REFUSAL = "missing or invalid bearer token (send `authorization: Bearer <token>` metadata)"
-
-
-def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as ``handler`` that answers ``UNAUTHENTICATED``."""
-    def refuse(request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSAL)
-
-    def refuse_stream(request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSAL)
-        yield  # pragma: no cover - makes this a generator
-
-    ignore = lambda data: data  # noqa: E731 - the request of a refused call is never parsed (None = failure)
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse_stream, ignore, handler.response_serializer)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse, ignore, handler.response_serializer)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse_stream, ignore, handler.response_serializer)
-    return grpc.unary_unary_rpc_method_handler(refuse, ignore, handler.response_serializer)

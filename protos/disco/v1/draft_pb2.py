@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.disco.v1 import common_pb2 as protos_dot_disco_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bprotos/disco/v1/draft.proto\x12\x08\x64isco.v1\x1a\x1cprotos/disco/v1/common.proto\"\xb7\x01\n\x18StartDraftSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.disco.v1.SamplingParams\x12\x0e\n\x06policy\x18\x04 \x01(\t\x12\x15\n\rreference_ids\x18\x05 \x03(\x05\x12\x14\n\x07overlap\x18\x06 \x01(\x08H\x00\x88\x01\x01\x42\n\n\x08_overlap\"q\n\x0c\x44raftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12)\n\x08\x66\x65\x65\x64\x62\x61\x63k\x18\x02 \x01(\x0b\x32\x12.disco.v1.FeedbackH\x00\x88\x01\x01\x12\x15\n\rmax_lookahead\x18\x03 \x01(\x05\x42\x0b\n\t_feedback\"g\n\nDraftEvent\x12%\n\x05token\x18\x01 \x01(\x0b\x32\x14.disco.v1.DraftTokenH\x00\x12)\n\x07summary\x18\x02 \x01(\x0b\x32\x16.disco.v1.DraftSummaryH\x00\x42\x07\n\x05\x65vent\"s\n\nDraftToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x12\n\ndraft_prob\x18\x02 \x01(\x01\x12+\n\x0b\x64raft_probs\x18\x03 \x01(\x0b\x32\x16.disco.v1.Distribution\x12\x12\n\nelapsed_ns\x18\x04 \x01(\x03\"\xa8\x01\n\x0c\x44raftSummary\x12\x10\n\x08\x66orwards\x18\x01 \x01(\x05\x12\x12\n\nelapsed_ns\x18\x02 \x01(\x03\x12\x13\n\x0bstop_reason\x18\x03 \x01(\t\x12\x17\n\x0fpredrafted_used\x18\x04 \x01(\x05\x12\x19\n\x11predrafted_wasted\x18\x05 \x01(\x05\x12\x13\n\x0boverlap_hit\x18\x06 \x01(\x08\x12\x14\n\x0coverlap_miss\x18\x07 \x01(\x08\x32\xa1\x02\n\x0c\x44raftService\x12R\n\x0cStartSession\x12\".disco.v1.StartDraftSessionRequest\x1a\x1e.disco.v1.StartSessionResponse\x12\x37\n\x05\x44raft\x12\x16.disco.v1.DraftRequest\x1a\x14.disco.v1.DraftEvent0\x01\x12G\n\nEndSession\x12\x1b.disco.v1.EndSessionRequest\x1a\x1c.disco.v1.EndSessionResponse\x12;\n\x04Info\x12\x1c.disco.v1.ServiceInfoRequest\x1a\x15.disco.v1.ServiceInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bprotos/disco/v1/draft.proto\x12\x08\x64isco.v1\x1a\x1cprotos/disco/v1/common.proto\"\xb7\x01\n\x18StartDraftSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.disco.v1.SamplingParams\x12\x0e\n\x06policy\x18\x04 \x01(\t\x12\x15\n\rreference_ids\x18\x05 \x03(\x05\x12\x14\n\x07overlap\x18\x06 \x01(\x08H\x00\x88\x01\x01\x42\n\n\x08_overlap\"\xa3\x01\n\x0c\x44raftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12)\n\x08\x66\x65\x65\x64\x62\x61\x63k\x18\x02 \x01(\x0b\x32\x12.disco.v1.FeedbackH\x00\x88\x01\x01\x12\x15\n\rmax_lookahead\x18\x03 \x01(\x05\x12\x1c\n\x0f\x65xpected_length\x18\x04 \x01(\x05H\x01\x88\x01\x01\x42\x0b\n\t_feedbackB\x12\n\x10_expected_length\"g\n\nDraftEvent\x12%\n\x05token\x18\x01 \x01(\x0b\x32\x14.disco.v1.DraftTokenH\x00\x12)\n\x07summary\x18\x02 \x01(\x0b\x32\x16.disco.v1.DraftSummaryH\x00\x42\x07\n\x05\x65vent\"s\n\nDraftToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x12\n\ndraft_prob\x18\x02 \x01(\x01\x12+\n\x0b\x64raft_probs\x18\x03 \x01(\x0b\x32\x16.disco.v1.Distribution\x12\x12\n\nelapsed_ns\x18\x04 \x01(\x03\"\xa8\x01\n\x0c\x44raftSummary\x12\x10\n\x08\x66orwards\x18\x01 \x01(\x05\x12\x12\n\nelapsed_ns\x18\x02 \x01(\x03\x12\x13\n\x0bstop_reason\x18\x03 \x01(\t\x12\x17\n\x0fpredrafted_used\x18\x04 \x01(\x05\x12\x19\n\x11predrafted_wasted\x18\x05 \x01(\x05\x12\x13\n\x0boverlap_hit\x18\x06 \x01(\x08\x12\x14\n\x0coverlap_miss\x18\x07 \x01(\x08\x32\xa1\x02\n\x0c\x44raftService\x12R\n\x0cStartSession\x12\".disco.v1.StartDraftSessionRequest\x1a\x1e.disco.v1.StartSessionResponse\x12\x37\n\x05\x44raft\x12\x16.disco.v1.DraftRequest\x1a\x14.disco.v1.DraftEvent0\x01\x12G\n\nEndSession\x12\x1b.disco.v1.EndSessionRequest\x1a\x1c.disco.v1.EndSessionResponse\x12;\n\x04Info\x12\x1c.disco.v1.ServiceInfoRequest\x1a\x15.disco.v1.ServiceInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,14 +34,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STARTDRAFTSESSIONREQUEST']._serialized_start=72
   _globals['_STARTDRAFTSESSIONREQUEST']._serialized_end=255
-  _globals['_DRAFTREQUEST']._serialized_start=257
-  _globals['_DRAFTREQUEST']._serialized_end=370
-  _globals['_DRAFTEVENT']._serialized_start=372
-  _globals['_DRAFTEVENT']._serialized_end=475
-  _globals['_DRAFTTOKEN']._serialized_start=477
-  _globals['_DRAFTTOKEN']._serialized_end=592
-  _globals['_DRAFTSUMMARY']._serialized_start=595
-  _globals['_DRAFTSUMMARY']._serialized_end=763
-  _globals['_DRAFTSERVICE']._serialized_start=766
-  _globals['_DRAFTSERVICE']._serialized_end=1055
+  _globals['_DRAFTREQUEST']._serialized_start=258
+  _globals['_DRAFTREQUEST']._serialized_end=421
+  _globals['_DRAFTEVENT']._serialized_start=423
+  _globals['_DRAFTEVENT']._serialized_end=526
+  _globals['_DRAFTTOKEN']._serialized_start=528
+  _globals['_DRAFTTOKEN']._serialized_end=643
+  _globals['_DRAFTSUMMARY']._serialized_start=646
+  _globals['_DRAFTSUMMARY']._serialized_end=814
+  _globals['_DRAFTSERVICE']._serialized_start=817
+  _globals['_DRAFTSERVICE']._serialized_end=1106
 # @@protoc_insertion_point(module_scope)

@@ -24,14 +24,16 @@ class StartDraftSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., policy: _Optional[str] = ..., reference_ids: _Optional[_Iterable[int]] = ..., overlap: _Optional[bool] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("session_id", "feedback", "max_lookahead")
+    __slots__ = ("session_id", "feedback", "max_lookahead", "expected_length")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     FEEDBACK_FIELD_NUMBER: _ClassVar[int]
     MAX_LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     feedback: _common_pb2.Feedback
     max_lookahead: int
-    def __init__(self, session_id: _Optional[str] = ..., feedback: _Optional[_Union[_common_pb2.Feedback, _Mapping]] = ..., max_lookahead: _Optional[int] = ...) -> None: ...
+    expected_length: int
+    def __init__(self, session_id: _Optional[str] = ..., feedback: _Optional[_Union[_common_pb2.Feedback, _Mapping]] = ..., max_lookahead: _Optional[int] = ..., expected_length: _Optional[int] = ...) -> None: ...
 
 class DraftEvent(_message.Message):
     __slots__ = ("token", "summary")
