@@ -51,11 +51,11 @@ class Stack:
         self.draft = draft_service.server.serve(loaded(draft_model, tokenizer, "tiny-noisy"))
         serve = orchestrator.server.serve
         self.orch = serve(chat_tokenizer, self.draft.address, self.target.address)
-        self.secure_orch = serve(chat_tokenizer, self.draft.address, self.target.address, auth_token=TOKEN)
+        self.secure_orch = serve(chat_tokenizer, self.draft.address, self.target.address, auth_tokens=TOKEN)
         self.slow_orch = serve(chat_tokenizer, self.draft.address, self.target.address,
                                backend_interceptors=[AddedLatency(0.05)])
         self.http = start_in_thread(HttpConfig(self.orch.address, port=0))
-        self.secure_http = start_in_thread(HttpConfig(self.secure_orch.address, port=0, auth_token=TOKEN))
+        self.secure_http = start_in_thread(HttpConfig(self.secure_orch.address, port=0, auth_tokens=(TOKEN,)))
         self.tokenless_http = start_in_thread(HttpConfig(self.secure_orch.address, port=0))  # forwards no token
         self.slow_http = start_in_thread(HttpConfig(self.slow_orch.address, port=0))
         self.grpc = DiscoClient(self.orch.address, timeout=CLIENT_TIMEOUT_S)
@@ -356,9 +356,9 @@ def test_https_in_front_of_a_tls_deployment_with_a_token(target_model, drafts, t
     tls = TlsFiles.from_paths(identity.cert, identity.key, ca.ca)
     target = target_service.server.serve(loaded(target_model, tokenizer, MODEL), tls=tls)
     draft = draft_service.server.serve(loaded(drafts["noisy"], tokenizer, "tiny-noisy"), tls=tls)
-    orch = orchestrator.server.serve(tokenizer, draft.address, target.address, tls=tls, auth_token=TOKEN)
+    orch = orchestrator.server.serve(tokenizer, draft.address, target.address, tls=tls, auth_tokens=TOKEN)
     gateway = start_in_thread(HttpConfig.fronting(orch.address, "127.0.0.1", 0, tls_cert=str(identity.cert),
-                                                  tls_key=str(identity.key), tls_ca=str(ca.ca), auth_token=TOKEN))
+                                                  tls_key=str(identity.key), tls_ca=str(ca.ca), auth_tokens=(TOKEN,)))
     try:
         assert gateway.url.startswith("https://")
         with DiscoClient(orch.address, tls_ca=str(ca.ca), auth_token=TOKEN, timeout=CLIENT_TIMEOUT_S) as grpc_client:

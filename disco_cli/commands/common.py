@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 from disco.config import DTYPE_CHOICES, ModelConfig, PairConfig
 from disco.engines.engine_choice import choose_engine
@@ -85,6 +86,10 @@ def public_tokens_from_args(args: argparse.Namespace) -> tuple[str, ...]:
     """The public API's tokens of ``--auth-token-file``, the hidden ``--auth-token`` or ``$DISCO_AUTH_TOKEN``."""
     from protos.runtime.auth import public_tokens  # noqa: PLC0415 - grpc only when used
 
+    if getattr(args, "auth_token", None):
+        logging.getLogger(__name__).warning(
+            "--auth-token puts the token on the command line, where `ps` shows it to every user of this machine; "
+            "use --auth-token-file or $DISCO_AUTH_TOKEN")
     return public_tokens(getattr(args, "auth_token", None), getattr(args, "auth_token_file", None))
 
 
@@ -129,7 +134,8 @@ def add_deployment_security_args(parser: argparse.ArgumentParser, title: str, re
     add_auth_token_file_arg(group, "bearer token(s) of the public API, one per line" + token_note)
 
 
-def add_client_security_args(parser: argparse.ArgumentParser) -> None:
+def add_client_security_args(parser: argparse.ArgumentParser,
+                             token_help: str = "bearer token of the server (the file's first line)") -> None:
     """TLS and token flags of a client of the public API."""
     group = parser.add_argument_group("connection security (with --server)")
     group.add_argument("--tls-ca", default=None, metavar="PEM",
@@ -140,7 +146,7 @@ def add_client_security_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tls-server-name", default=None, metavar="NAME",
                        help="name to check the server certificate against (default: the host of --server)")
     group.add_argument("--auth-token", default=None, metavar="TOKEN", help=argparse.SUPPRESS)
-    add_auth_token_file_arg(group, "bearer token of the server (the file's first line)")
+    add_auth_token_file_arg(group, token_help)
 
 
 def client_from_args(args: argparse.Namespace, timeout: float | None):

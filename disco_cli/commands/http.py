@@ -9,8 +9,9 @@ import json
 import logging
 import signal
 import threading
+from typing import Sequence
 
-from disco_cli.commands.common import add_client_security_args
+from disco_cli.commands.common import add_client_security_args, public_tokens_from_args
 from orchestrator.http import DEFAULT_HTTP_PORT
 
 
@@ -19,19 +20,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "http", help="serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) in front of a "
                      "running orchestrator",
         description="Each HTTP request becomes one gRPC Generate call on the orchestrator (docs/http.md). "
-                    "With a token (--auth-token or $DISCO_AUTH_TOKEN), /v1/ requests must carry "
-                    "`Authorization: Bearer TOKEN`, and the token is sent on to the orchestrator.")
+                    "With API keys (--auth-token-file, one key per line, or $DISCO_AUTH_TOKEN), /v1/ requests "
+                    "must carry `Authorization: Bearer KEY` with one of them, and the first key is sent on to "
+                    "the orchestrator.")
     parser.add_argument("--server", required=True, metavar="HOST:PORT", help="address of a running orchestrator")
     add_http_listen_args(parser)
     parser.add_argument("--json", action="store_true",
                         help='announce the bound address as one JSON line {"service": "http", "address", "url", '
                              '"server"}')
-    add_client_security_args(parser)
+    add_client_security_args(parser, "API keys the gateway accepts, one per line; the first is presented to the "
+                                     "orchestrator")
     parser.set_defaults(func=run)
 
 
 def add_http_listen_args(parser: argparse.ArgumentParser) -> None:
-    """``--host/--port`` of the gateway and its own options."""
+    """``--host/--port`` of the gateway and its own options (the limits: :class:`HttpConfig`'s defaults)."""
+    from orchestrator.http import config  # noqa: PLC0415 - imports no web stack
+
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=DEFAULT_HTTP_PORT,
                         help=f"port to bind, 0 for any free one (default {DEFAULT_HTTP_PORT})")
@@ -43,21 +48,32 @@ def add_http_listen_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=None, metavar="S",
                         help="deadline of each gRPC call in seconds (default 300)")
     parser.add_argument("--access-log", action="store_true", help="log one line per HTTP request")
+    parser.add_argument("--max-body-bytes", type=int, default=config.DEFAULT_MAX_BODY_BYTES, metavar="N",
+                        help=f"largest request body; a larger one gets 413 (default {config.DEFAULT_MAX_BODY_BYTES})")
+    parser.add_argument("--header-timeout", type=float, default=config.DEFAULT_HEADER_TIMEOUT_S, metavar="S",
+                        help="close a connection that has not sent a whole request head within S seconds "
+                             f"(default {config.DEFAULT_HEADER_TIMEOUT_S:g})")
+    parser.add_argument("--keep-alive-timeout", type=float, default=config.DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+                        metavar="S", help="close an idle keep-alive connection after S seconds "
+                                          f"(default {config.DEFAULT_KEEP_ALIVE_TIMEOUT_S:g})")
+    parser.add_argument("--body-timeout", type=float, default=config.DEFAULT_BODY_TIMEOUT_S, metavar="S",
+                        help="answer 408 when a request body stalls S seconds "
+                             f"(default {config.DEFAULT_BODY_TIMEOUT_S:g})")
 
 
 def run(args: argparse.Namespace) -> int:
     from orchestrator.http.config import HttpConfig  # noqa: PLC0415 - the web stack only when used
     from orchestrator.http.server import start_in_thread  # noqa: PLC0415
-    from protos.runtime.tls import auth_token_from_env  # noqa: PLC0415
 
     options = {"timeout_s": args.timeout} if args.timeout is not None else {}
     config = HttpConfig(args.server, host=args.host, port=args.port, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
                         tls_key=args.tls_key, tls_server_name=args.tls_server_name,
-                        auth_token=auth_token_from_env(args.auth_token), https_cert=args.https_cert,
+                        auth_tokens=public_tokens_from_args(args), https_cert=args.https_cert,
                         https_key=args.https_key, model_name=args.served_model_name, access_log=args.access_log,
-                        **options)
+                        max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout,
+                        keep_alive_timeout_s=args.keep_alive_timeout, body_timeout_s=args.body_timeout, **options)
     running = start_in_thread(config)
-    warn_if_exposed(args.host, config.https, config.auth_token)
+    warn_if_exposed(args.host, config.https, config.auth_tokens)
     if args.json:
         print(json.dumps({"service": "http", "address": running.address, "url": running.url,
                           "server": args.server}), flush=True)
@@ -80,11 +96,11 @@ def wait_for_signal(running) -> None:
             signal.signal(sig, handler)
 
 
-def warn_if_exposed(host: str, https: bool, token: str | None) -> None:
-    """Binding beyond loopback without HTTPS (or with a token in clear) deserves a warning."""
+def warn_if_exposed(host: str, https: bool, tokens: str | Sequence[str] | None) -> None:
+    """Binding beyond loopback without HTTPS (or with API keys in clear) deserves a warning."""
     if host in ("127.0.0.1", "localhost", "::1", "[::1]") or https:
         return
     logger = logging.getLogger(__name__)
     logger.warning("HTTP API on %s without HTTPS: anyone who can reach it can use it (see docs/http.md)", host)
-    if token:
+    if tokens:
         logger.warning("the bearer token travels in clear text without HTTPS")

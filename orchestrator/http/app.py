@@ -28,7 +28,7 @@ from disco.config import SpeculationConfig
 from orchestrator.client import AsyncDiscoClient, AsyncGenerationStream, Chunk
 from orchestrator.http.config import HttpConfig
 from orchestrator.http.errors import ApiError, from_rpc_error, invalid
-from orchestrator.http.middleware import BearerTokenMiddleware, HttpMetrics, MetricsMiddleware
+from orchestrator.http.middleware import BearerTokenMiddleware, BodyLimitMiddleware, HttpMetrics, MetricsMiddleware
 from orchestrator.http.responses import Shaper
 from orchestrator.http.schemas import ChatCompletionRequest, CompletionRequest, validation_param
 
@@ -66,7 +66,7 @@ def create_app(config: HttpConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = AsyncDiscoClient(config.server, timeout=config.timeout_s, tls_ca=config.tls_ca,
                                   tls_cert=config.tls_cert, tls_key=config.tls_key,
-                                  tls_server_name=config.tls_server_name, auth_token=config.auth_token or "")
+                                  tls_server_name=config.tls_server_name, auth_token=config.upstream_token or "")
         app.state.gateway = Gateway(config, client)
         try:
             yield
@@ -85,10 +85,13 @@ def create_app(config: HttpConfig) -> FastAPI:
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(grpc.RpcError, _rpc_error)
-    if config.auth_token:
-        app.add_middleware(BearerTokenMiddleware, token=config.auth_token)
+    # The last added runs first: metrics (counts every refusal), the token (401 before any
+    # of the body is read), the body limit (413 before the body is parsed), then the routes.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
+    if config.auth_tokens:
+        app.add_middleware(BearerTokenMiddleware, tokens=config.auth_tokens)
     routes = frozenset(route.path for route in app.routes if hasattr(route, "path"))
-    app.add_middleware(MetricsMiddleware, metrics=metrics, routes=routes)  # outermost: counts 401s too
+    app.add_middleware(MetricsMiddleware, metrics=metrics, routes=routes)
     return app
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from disco.errors import DiscoError
 from orchestrator.client import DEFAULT_TIMEOUT_S, client_tls
@@ -12,6 +13,18 @@ from protos.runtime.tls import TlsFiles
 
 #: Hosts that mean "every interface": a server bound there is reached through loopback.
 ANY_HOST = ("0.0.0.0", "::", "[::]", "")
+#: Largest request body (8 MiB): the orchestrator's largest public gRPC message
+#: (``orchestrator.server.PUBLIC_MAX_RECEIVE_BYTES``), so a larger body could never become
+#: one ``Generate`` call anyway; the orchestrator's own prompt limit (from the model's
+#: context) is below it and answers 400.
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+#: Time a client has to send a whole request head, from the connection's start or the end of
+#: the previous response (Go's usual ``ReadHeaderTimeout``; nginx's ``client_header_timeout`` is 60 s).
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+#: An idle keep-alive connection is closed after this long (uvicorn's default).
+DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0
+#: Longest wait for the next piece of a request body (nginx's ``client_body_timeout`` is 60 s).
+DEFAULT_BODY_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -24,13 +37,20 @@ class HttpConfig:
         port: port to bind (0: a free one, read :attr:`RunningGateway.port`).
         tls_ca, tls_cert, tls_key, tls_server_name: TLS towards the orchestrator, as
             :class:`~orchestrator.client.DiscoClient` takes them (plaintext without).
-        auth_token: when set, ``/v1/...`` requests must carry ``Authorization: Bearer
-            <auth_token>``, and it is sent on to the orchestrator; ``None``: no check, no token sent.
+        auth_tokens: the API keys: ``/v1/...`` requests must carry ``Authorization: Bearer
+            <token>`` with one of them (each compared in constant time), and the first is sent
+            on to the orchestrator (which accepts the same list); empty: no check, no token sent.
         https_cert, https_key: serve HTTPS with this certificate chain and key (plain HTTP without).
         timeout_s: deadline of each gRPC call (``None``: none).
         model_name: the model name of ``/v1/models`` and of responses to requests that
             name none (default: the target model's name, from the orchestrator's ``Info``).
         access_log: log one line per request (uvicorn's access log).
+        max_body_bytes: largest request body; a larger one is answered 413 before it is read
+            beyond the limit (see :data:`DEFAULT_MAX_BODY_BYTES`).
+        header_timeout_s: a connection that has not sent a whole request head this long after
+            it opened (or after its previous response) is closed (slowloris guard).
+        keep_alive_timeout_s: an idle keep-alive connection is closed after this long.
+        body_timeout_s: a request whose body stalls this long between two reads is answered 408.
     """
 
     server: str
@@ -40,25 +60,40 @@ class HttpConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_server_name: str | None = None
-    auth_token: str | None = None
+    auth_tokens: tuple[str, ...] = ()
     https_cert: str | None = None
     https_key: str | None = None
     timeout_s: float | None = DEFAULT_TIMEOUT_S
     model_name: str | None = None
     access_log: bool = False
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        # NOTE: a lone string would otherwise become a tuple of one-character keys.
+        object.__setattr__(self, "auth_tokens", as_tokens(self.auth_tokens))
 
     @classmethod
     def fronting(cls, server: str, host: str, port: int, *, tls_cert: str | None = None, tls_key: str | None = None,
-                 tls_ca: str | None = None, tls_server_name: str | None = None,
-                 auth_token: str | None = None) -> "HttpConfig":
+                 tls_ca: str | None = None, tls_server_name: str | None = None, auth_tokens: Sequence[str] = (),
+                 auth_token: str | Sequence[str] | None = None) -> "HttpConfig":
         """The gateway of a deployment whose services share one set of TLS files
         (``disco serve``, ``disco up``): with a certificate the orchestrator serves TLS, so
         the gateway connects over TLS (verifying it with ``tls_ca``, presenting the
-        certificate) and serves HTTPS with the same certificate."""
+        certificate) and serves HTTPS with the same certificate. ``auth_token`` is the
+        deprecated spelling of ``auth_tokens`` (both may be given: the keys of both)."""
+        tokens = (*as_tokens(auth_tokens), *as_tokens(auth_token))
         if not tls_cert:
-            return cls(server, host, port, auth_token=auth_token)
+            return cls(server, host, port, auth_tokens=tokens)
         return cls(server, host, port, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
-                   tls_server_name=tls_server_name, auth_token=auth_token, https_cert=tls_cert, https_key=tls_key)
+                   tls_server_name=tls_server_name, auth_tokens=tokens, https_cert=tls_cert, https_key=tls_key)
+
+    @property
+    def upstream_token(self) -> str | None:
+        """The token sent on to the orchestrator: the first API key (``None`` without keys)."""
+        return self.auth_tokens[0] if self.auth_tokens else None
 
     @property
     def https(self) -> bool:
@@ -68,14 +103,27 @@ class HttpConfig:
         """Check the settings and read the TLS files once.
 
         Raises:
-            DiscoError: a file is unreadable, a certificate comes without its key, or the port is out of range.
+            DiscoError: a file is unreadable, a certificate comes without its key, the port is
+                out of range, a key is empty or holds whitespace, or a limit is not positive.
         """
         if not 0 <= self.port <= 65535:
             raise DiscoError(f"--http-port must be in [0, 65535], got {self.port}")
+        if any(not token or any(char.isspace() for char in token) for token in self.auth_tokens):
+            raise DiscoError("an API key of the HTTP gateway is empty or contains whitespace")
+        for name in ("max_body_bytes", "header_timeout_s", "keep_alive_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise DiscoError(f"the HTTP gateway's {name} must be positive, got {getattr(self, name)}")
         if (self.https_cert is None) != (self.https_key is None):
             raise DiscoError("the HTTPS certificate and key go together")
         client_tls(self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name)
         TlsFiles.from_paths(self.https_cert, self.https_key)
+
+
+def as_tokens(tokens: str | Sequence[str] | None) -> tuple[str, ...]:
+    """``tokens`` as a tuple of keys: ``None`` and ``""`` are none, a string is one key."""
+    if not tokens:
+        return ()
+    return (tokens,) if isinstance(tokens, str) else tuple(tokens)
 
 
 def local_address(host: str, port: int) -> str:

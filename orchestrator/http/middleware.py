@@ -1,13 +1,18 @@
-"""ASGI middleware of the gateway: the bearer token check and the request counters.
+"""ASGI middleware of the gateway: the request counters, the bearer token check and the
+body limit, in that order from the outside in (see :func:`orchestrator.http.app.create_app`),
+so that a refused request costs no body read and no parsing.
 
-Both wrap the app the ASGI way (``scope``/``receive``/``send``); neither parses HTTP:
+Each wraps the app the ASGI way (``scope``/``receive``/``send``); none parses HTTP:
 uvicorn does, Starlette's :class:`~starlette.datastructures.Headers` reads the header.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
+from typing import Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
@@ -66,19 +71,105 @@ class MetricsMiddleware:
 
 class BearerTokenMiddleware:
     """Answers 401 (OpenAI error shape) unless a request to ``/v1/...`` carries
-    ``Authorization: Bearer <token>``; the comparison takes constant time."""
+    ``Authorization: Bearer <token>`` with one of ``tokens`` (several API keys).
 
-    def __init__(self, app: ASGIApp, token: str) -> None:
+    Every key is compared, each in constant time, so the timing shows neither whether nor
+    which one matched. A refused request's body is never read.
+    """
+
+    def __init__(self, app: ASGIApp, tokens: Sequence[str]) -> None:
+        if not tokens or not all(tokens):
+            raise ValueError("BearerTokenMiddleware needs at least one non-empty token")
         self.app = app
-        self._expected = f"Bearer {token}".encode()
+        self._expected = tuple(f"Bearer {token}".encode() for token in tokens)
+
+    def accepts(self, presented: bytes) -> bool:
+        matched = False
+        for expected in self._expected:
+            matched |= hmac.compare_digest(presented, expected)
+        return matched
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIX):
-            presented = Headers(scope=scope).get("authorization", "").encode()
-            if not hmac.compare_digest(presented, self._expected):
+            presented = Headers(scope=scope).get("authorization", "").encode("latin-1")
+            if not self.accepts(presented):
                 error = ApiError(401, "missing or invalid bearer token (send `Authorization: Bearer <token>`)",
                                  code="invalid_api_key")
-                response = JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
-                await response(scope, receive, send)
+                await refuse(error, scope, receive, send, {"WWW-Authenticate": "Bearer"}, close=has_body(scope))
                 return
         await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Reads a request's body before the app sees it, at most ``max_bytes`` of it.
+
+    A ``Content-Length`` above the limit is answered 413 at once, before any of the body is
+    read; a chunked body as soon as its count passes the limit (uvicorn stops reading the
+    socket once it holds 64 KiB the app has not taken, so little more than the limit is
+    ever held). A body that stalls ``timeout_s`` between two reads is answered 408.
+    Refusals close the connection, so the rest of the body is not read either. The app then
+    gets the whole body in one ``http.request`` message (FastAPI buffers it anyway to parse it).
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not has_body(scope):
+            await self.app(scope, receive, send)
+            return
+        length = Headers(scope=scope).get("content-length")  # h11 has checked it is a number
+        if length is not None and int(length) > self.max_bytes:
+            await refuse(self._too_large(), scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        more_body = True
+        while more_body:
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout_s)
+            except asyncio.TimeoutError:
+                error = ApiError(408, f"the request body stalled for {self.timeout_s:g} s", code="request_timeout")
+                await refuse(error, scope, receive, send)
+                return
+            if message["type"] == "http.disconnect":
+                return  # the client left: nobody to answer
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await refuse(self._too_large(), scope, receive, send)
+                return
+            more_body = message.get("more_body", False)
+        await self.app(scope, _replaying({"type": "http.request", "body": b"".join(chunks), "more_body": False},
+                                         receive), send)
+
+    def _too_large(self) -> ApiError:
+        return ApiError(413, f"the request body is larger than the limit of {self.max_bytes} bytes",
+                        code="request_too_large")
+
+
+def has_body(scope: Scope) -> bool:
+    """Whether a request comes with a body (a non-zero ``Content-Length``, or chunked)."""
+    headers = Headers(scope=scope)
+    length = headers.get("content-length")
+    return int(length) > 0 if length is not None else "transfer-encoding" in headers
+
+
+def _replaying(first: Message, receive: Receive) -> Receive:
+    """``receive`` that answers ``first`` once, then the connection's own messages (``http.disconnect``)."""
+    pending: list[Message] = [first]
+
+    async def replay() -> Message:
+        return pending.pop() if pending else await receive()
+
+    return replay
+
+
+async def refuse(error: ApiError, scope: Scope, receive: Receive, send: Send,
+                 headers: dict[str, str] | None = None, close: bool = True) -> None:
+    """Answer ``error`` without reading (more of) the request's body; with ``close``, close
+    the connection after the answer (``Connection: close``) so that the body is not read at all."""
+    headers = {**(headers or {}), **({"Connection": "close"} if close else {})}
+    await JSONResponse(error.body(), status_code=error.status, headers=headers)(scope, receive, send)
