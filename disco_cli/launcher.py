@@ -14,6 +14,7 @@ public token, or no token at all, is refused by them (docs/security.md).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import os
 import queue
@@ -85,6 +86,16 @@ class ServiceOptions:
         return env
 
 
+@dataclass(frozen=True)
+class ChildCommand:
+    """How one child was started (what :meth:`LocalServices.respawn` runs again)."""
+
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    cores: frozenset[int] | None = None
+    program: tuple[str, ...] | None = None
+
+
 @dataclass
 class LocalServices:
     """The running children; ``addresses`` maps service name to ``HOST:PORT`` and
@@ -93,10 +104,31 @@ class LocalServices:
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     addresses: dict[str, str] = field(default_factory=dict)
     metrics: dict[str, str] = field(default_factory=dict)
+    commands: dict[str, ChildCommand] = field(default_factory=dict)
 
     def dead(self) -> str | None:
         """Name of a child that has exited, if any."""
         return next((name for name, process in self.processes.items() if process.poll() is not None), None)
+
+    def start(self, name: str, command: ChildCommand) -> subprocess.Popen:
+        """Spawn child ``name`` (remembering how, for :meth:`respawn`)."""
+        self.commands[name] = command
+        self.processes[name] = _spawn(list(command.argv), command.env, set(command.cores or ()) or None,
+                                      list(command.program) if command.program else None)
+        return self.processes[name]
+
+    def respawn(self, name: str, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """Start child ``name`` again, on the port it had (so the others find it where it
+        was), and wait for its announcement.
+
+        Raises:
+            DiscoError: it exited or did not announce its address in time.
+        """
+        port = self.addresses[name].rpartition(":")[2]
+        argv = list(self.commands[name].argv)
+        argv[argv.index("--port") + 1] = port
+        process = self.start(name, dataclasses.replace(self.commands[name], argv=tuple(argv)))
+        _record(self, name, _await_announcement(name, process, startup_timeout_s))
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM every child (graceful shutdown), then SIGKILL what is left after ``timeout_s``."""
@@ -142,17 +174,17 @@ def launch(pair: PairConfig, host: str = "127.0.0.1", port: int = 0, threads: in
             role_threads = len(cores[role]) if role in cores else threads
             threads_args = ["--threads", str(role_threads)] if role_threads else []
             overlap_args = ["--overlap", "on"] if role == "draft" and overlap else []
-            services.processes[role] = _spawn([f"{role}-server", *_model_args(config), *threads_args, *overlap_args,
-                                               "--host", BACKEND_HOST, "--port", "0", *options.args(role)],
-                                              options.env(role), cores.get(role))
+            services.start(role, ChildCommand(
+                (f"{role}-server", *_model_args(config), *threads_args, *overlap_args, "--host", BACKEND_HOST,
+                 "--port", "0", *options.args(role)), options.env(role), frozenset(cores.get(role, ())) or None))
         for role in ("target", "draft"):
             _record(services, role, _await_announcement(role, services.processes[role], startup_timeout_s))
         tokenizer_args = ["--model", pair.target.spec] if pair.target.spec else []
         delayed = ["-m", "disco_cli.bench.latency", "--added-rtt-ms", str(added_rtt_ms)] if added_rtt_ms else []
-        services.processes["orchestrator"] = _spawn([
-            "orchestrator", "--target", services.addresses["target"], "--draft", services.addresses["draft"],
-            *tokenizer_args, "--host", host, "--port", str(port), *options.args("orchestrator")],
-            options.env("orchestrator"), **({"program": delayed} if delayed else {}))
+        services.start("orchestrator", ChildCommand(
+            ("orchestrator", "--target", services.addresses["target"], "--draft", services.addresses["draft"],
+             *tokenizer_args, "--host", host, "--port", str(port), *options.args("orchestrator")),
+            options.env("orchestrator"), program=tuple(delayed) or None))
         _record(services, "orchestrator", _await_announcement("orchestrator", services.processes["orchestrator"],
                                                               startup_timeout_s))
     except BaseException:

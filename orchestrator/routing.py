@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 RECOVERY_TIMEOUT_S = 300.0
 #: A replica is back when its health check answers SERVING within this time.
 HEALTH_TIMEOUT_S = 2.0
+#: A recovering replica's health is asked again after this long.
+RECOVERY_POLL_S = 0.5
 
 
 class Resolver(Protocol):
@@ -220,11 +222,21 @@ class ReplicaSet:
     def _recover(self, replica: Replica) -> None:
         """Ask the resolver where the replica is now, then check that it serves there."""
         channel = None
+        deadline = time.monotonic() + self.recovery_timeout_s
         try:
             address = self.resolver.wait_address(self.role, replica.name, self.recovery_timeout_s)
             # NOTE: always a fresh channel: the old one may sit in reconnect backoff.
             channel = self._channel(address)
-            _check_serving(channel)
+            # A restarted process (``disco serve`` restarts a child on its port) serves once its
+            # model is loaded: ask until then, or until the recovery timeout.
+            while True:
+                try:
+                    _check_serving(channel)
+                    break
+                except (grpc.RpcError, Unavailable):
+                    if time.monotonic() + RECOVERY_POLL_S >= deadline:
+                        raise
+                    time.sleep(RECOVERY_POLL_S)
         except Exception as error:  # noqa: BLE001 - any failure leaves the replica out of rotation
             logger.warning("%s replica %s is not back: %s", self.role, replica.name, error)
             if channel is not None:

@@ -4,7 +4,8 @@ processes (the tiny pair from its HF folders), the orchestrator in this process.
 * a client process killed mid-stream: every session is freed in both services;
 * a frozen backend (SIGSTOP): the call in flight fails within seconds (keepalive pings);
 * the draft killed (SIGKILL) mid-stream: the request completes, token for token as target-only;
-* the target killed: UNAVAILABLE within seconds, mid-stream and for a new request;
+* the target killed: a request with a short deadline gives up within it, the request in
+  flight waits for the target and completes, exact, once it is back on its port;
 * both back on their ports: the next request works, exact, and uses the draft again.
 
 NOTE: the replacements listen in this process (same models, same ports): what is under
@@ -150,23 +151,22 @@ def test_killed_backends_then_back_on_their_ports(deployment, reference):
     lookaheads = stream.result.stats["lookaheads"]
     assert lookaheads[0] == 1 and lookaheads[-1] == 0  # drafted before the kill, target-only after
 
-    # 2. The target dies mid-stream: UNAVAILABLE within seconds.
+    # 2. The target dies mid-stream: the request waits for it (there is no going on without
+    # the target), a request with a short deadline gives up within it...
     stream = client.stream(PROMPTS[0], **LONG)
     chunks = iter(stream)
-    next(chunks)
+    tokens = list(next(chunks).token_ids)
     processes["target"].kill()
+    processes["target"].wait()
     started = time.monotonic()
-    with pytest.raises(DiscoRpcError) as raised:
-        for _ in chunks:
-            pass
-    assert raised.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - started < FAST_S
-    # ... and a new request while it is down, too.
-    started = time.monotonic()
-    with pytest.raises(DiscoRpcError) as raised:
-        client.generate(PROMPTS[0], policy="none", max_new_tokens=4)
-    assert raised.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - started < FAST_S
+    with pytest.raises(DiscoRpcError) as raised, DiscoClient(deployment["orchestrator"].address, timeout=2) as hasty:
+        hasty.generate(PROMPTS[0], policy="none", max_new_tokens=4)
+    assert raised.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert time.monotonic() - started < 2 + FAST_S
 
-    # 3. Both come back on the same ports: the next request works, exactly, with the draft.
+    # 3. ... and both come back on the same ports: the request in flight completes, exactly
+    # (its target session re-prefilled from the orchestrator's tokens), and the next one
+    # works, exactly, with the draft.
     for process in processes.values():
         process.wait()
     servers = []
@@ -175,6 +175,8 @@ def test_killed_backends_then_back_on_their_ports(deployment, reference):
             model = load_model(ModelConfig(str(deployment["dirs"][role]), "float32"), role, deployment["home"])
             servers.append(module.serve(model, port=int(addresses[role].rpartition(":")[2])))
             assert servers[-1].address == addresses[role]
+        tokens += [token for chunk in chunks for token in chunk.token_ids]
+        assert tokens == stream.result.token_ids == reference(PROMPTS[0], LONG["max_new_tokens"])
         result = client.generate(PROMPTS[2], policy="static:3", max_new_tokens=24, ignore_eos=True)
         assert result.token_ids == reference(PROMPTS[2], 24)
         # The draft is used again once the orchestrator has seen it healthy (at once, or

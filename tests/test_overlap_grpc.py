@@ -55,13 +55,13 @@ class _PatientTarget:
     def __getattr__(self, name: str):
         return getattr(self.engine, name)
 
-    def verify(self, session_id, draft_token_ids, draft_probs):
+    def verify(self, session_id, draft_token_ids, draft_probs, **checks):
         predraft = self.predraft(session_id)
         if self.before_verify is not None:
             self.before_verify(session_id, predraft)
         if self.patient and predraft is not None:
             predraft.thread.join(timeout=10)
-        return self.engine.verify(session_id, draft_token_ids, draft_probs)
+        return self.engine.verify(session_id, draft_token_ids, draft_probs, **checks)
 
     def predraft(self, session_id: str) -> Predraft | None:
         for engine in self.drafts:
@@ -329,7 +329,7 @@ def test_launch_passes_overlap_to_the_draft_child_only(monkeypatch):
 
     spawned: list[list[str]] = []
 
-    def spawn(argv, env=None, cores=None):
+    def spawn(argv, env=None, cores=None, program=None):
         spawned.append(argv)
         return argv[0]
 
@@ -358,7 +358,7 @@ def test_disco_up_and_the_ray_actor_pass_overlap(monkeypatch, tmp_path, tiny_pai
     monkeypatch.setattr(ray_head, "use_token_auth", lambda generate: False)
     configs: list = []
 
-    def up(config, home, auth_token=None):
+    def up(config, home, *credentials, **named):
         configs.append(config)
         raise _Started
 

@@ -35,6 +35,9 @@ from disco_cli.commands.common import (
 from orchestrator.http import DEFAULT_HTTP_PORT
 
 PORTS = {"orchestrator": 50051, "draft": 50052, "target": 50053}
+#: ``disco serve`` restarts a service that exits, at most this many times per window (disco_cli.supervisor).
+RESTARTS_PER_WINDOW = 5
+RESTART_WINDOW_S = 600.0  # NOTE: RestartPolicy's default window
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -83,8 +86,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     parser = subparsers.add_parser(
         "serve", help="start target, draft and orchestrator locally (one process each) and print the address",
-        description="Starts the three services as child processes (default pair unless --target/--draft) "
-                    "and stops them all on Ctrl-C or SIGTERM.")
+        description="Starts the three services as child processes (default pair unless --target/--draft), "
+                    "restarts one that exits (on its port, after a backoff; the others keep serving) and stops "
+                    "them all on Ctrl-C or SIGTERM, or when one keeps crashing (--max-restarts).")
     add_model_args(parser)
     _add_threads_arg(parser)
     _add_listen_args(parser, PORTS["orchestrator"])
@@ -93,6 +97,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_artifact_dir_arg(parser)
     add_overlap_arg(parser, "of the draft service")
     add_http_port_arg(parser)
+    parser.add_argument("--max-restarts", type=int, default=RESTARTS_PER_WINDOW, metavar="N",
+                        help=f"restarts of one service allowed per {RESTART_WINDOW_S:.0f} s; one more exit stops "
+                             f"everything (default {RESTARTS_PER_WINDOW}; a service that exits is restarted on its "
+                             "port after a backoff of 1, 2, 4, ... 30 s)")
     parser.set_defaults(func=_run_serve)
     add_deployment_security_args(parser, "security (every child gets the same files)")
 
@@ -245,7 +253,7 @@ def run_orchestrator(args: argparse.Namespace, backend_interceptors: Sequence = 
                     require_client_cert=args.tls_require_client_cert, auth_tokens=tokens,
                     backend_token=backend_token, metrics_port=args.metrics_port,
                     backend_interceptors=backend_interceptors)
-    _warn_if_exposed(args.host, running.tls, bool(tokens))
+    _warn_if_exposed(args.host, running.tls, bool(tokens), args.tls_require_client_cert)
     _announce("orchestrator", running.address, tokenizer.name_or_path, args.json, running.metrics_address)
     serve_until_signal([running])
     return 0
@@ -253,6 +261,7 @@ def run_orchestrator(args: argparse.Namespace, backend_interceptors: Sequence = 
 
 def _run_serve(args: argparse.Namespace) -> int:
     from disco_cli.launcher import ServiceOptions, launch  # noqa: PLC0415
+    from disco_cli.supervisor import RestartPolicy, Supervisor  # noqa: PLC0415
     from protos.runtime.tls import TlsFiles  # noqa: PLC0415
 
     tls = TlsFiles.from_paths(args.tls_cert, args.tls_key, args.tls_ca)  # fail here, not in three children
@@ -267,7 +276,7 @@ def _run_serve(args: argparse.Namespace) -> int:
                              max_kv_bytes=args.max_kv_bytes)
     services = launch(pair_config_from_args(args), host=args.host, port=args.port, threads=args.threads,
                       options=options, overlap=overlap_from_args(args))
-    gateway = None
+    gateway = supervisor = None
     try:
         if args.http_port is not None:  # after the orchestrator is up: the gateway's first Info reaches it
             gateway = _start_http(args, services.addresses["orchestrator"], tokens)
@@ -285,31 +294,32 @@ def _run_serve(args: argparse.Namespace) -> int:
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
+        supervisor = Supervisor(services, RestartPolicy(max_restarts=args.max_restarts, window_s=RESTART_WINDOW_S))
         while not stop.wait(0.5):
-            if (dead := services.dead()) is not None:
-                raise DiscoError(f"the {dead} service exited with code {services.processes[dead].returncode}; "
-                                 "stopping the others")
+            supervisor.poll()  # a service that exited is restarted; one that keeps crashing stops everything
             if gateway is not None and not gateway.alive():
                 raise DiscoError("the HTTP gateway stopped; stopping the services")
     finally:
+        if supervisor is not None:
+            supervisor.close()
         if gateway is not None:
             gateway.stop()
         services.stop()
     return 0
 
 
-def _start_http(args: argparse.Namespace, orchestrator: str, token: str | None):
+def _start_http(args: argparse.Namespace, orchestrator: str, tokens: tuple[str, ...]):
     """The HTTP gateway in front of ``orchestrator``, in a thread of this process (HTTPS
-    with the deployment's certificate, when it has one)."""
+    with the deployment's certificate, when it has one); it accepts every public token."""
     from disco_cli.commands.http import warn_if_exposed  # noqa: PLC0415 - the web stack only when used
     from orchestrator.http.config import HttpConfig  # noqa: PLC0415
     from orchestrator.http.server import start_in_thread  # noqa: PLC0415
 
     config = HttpConfig.fronting(orchestrator, args.host, args.http_port, tls_cert=args.tls_cert,
                                  tls_key=args.tls_key, tls_ca=args.tls_ca, tls_server_name=args.tls_server_name,
-                                 auth_token=token)
+                                 auth_tokens=tokens)
     gateway = start_in_thread(config)
-    warn_if_exposed(args.host, config.https, token)
+    warn_if_exposed(args.host, config.https, tokens)
     return gateway
 
 
@@ -322,15 +332,21 @@ def _announce(service: str, address: str, model: str, as_json: bool, metrics: st
               + (f", metrics on http://{metrics}/metrics" if metrics else ""), flush=True)
 
 
-def _warn_if_exposed(host: str, tls: bool, token: bool = False) -> None:
-    """Binding beyond loopback without TLS (or sending a token in clear) deserves a warning."""
-    if host in ("127.0.0.1", "localhost", "::1", "[::1]"):
+def _warn_if_exposed(host: str, tls: bool, token: bool = False, client_certs: bool = False) -> None:
+    """The public API beyond loopback without TLS (the token in clear), or open to anyone
+    (no token, no client certificates), deserves a warning."""
+    from protos.runtime.auth import is_loopback  # noqa: PLC0415
+
+    if is_loopback(host):
         return
+    logger = logging.getLogger(__name__)
     if not tls:
-        logging.getLogger(__name__).warning(
-            "listening on %s without TLS: anyone who can reach it can use it (see docs/operations.md)", host)
+        logger.warning("listening on %s without TLS: requests and responses travel in clear (docs/security.md)", host)
         if token:
-            logging.getLogger(__name__).warning("the bearer token travels in clear text without TLS")
+            logger.warning("the bearer token travels in clear text without TLS")
+    if not token and not client_certs:
+        logger.warning("the public API on %s takes no credential: anyone who can reach it can use it "
+                       "(--auth-token-file or $DISCO_AUTH_TOKEN; docs/security.md)", host)
 
 
 def _configure_logging(log_format: str = "text") -> None:
