@@ -117,17 +117,25 @@ class LocalServices:
                                       list(command.program) if command.program else None)
         return self.processes[name]
 
-    def respawn(self, name: str, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    def respawn(self, name: str) -> subprocess.Popen:
         """Start child ``name`` again, on the port it had (so the others find it where it
-        was), and wait for its announcement.
+        was); :meth:`await_started` waits for it to serve.
+
+        NOTE: call it from a thread that lives as long as the child should: Linux delivers the
+        child's parent-death signal (:func:`_terminate_with_parent`) when the *thread* that
+        forked it exits."""
+        port = self.addresses[name].rpartition(":")[2]
+        argv = list(self.commands[name].argv)
+        argv[argv.index("--port") + 1] = port
+        return self.start(name, dataclasses.replace(self.commands[name], argv=tuple(argv)))
+
+    def await_started(self, name: str, process: subprocess.Popen,
+                      startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """Wait for a (re)started child's announcement and record its address.
 
         Raises:
             DiscoError: it exited or did not announce its address in time.
         """
-        port = self.addresses[name].rpartition(":")[2]
-        argv = list(self.commands[name].argv)
-        argv[argv.index("--port") + 1] = port
-        process = self.start(name, dataclasses.replace(self.commands[name], argv=tuple(argv)))
         _record(self, name, _await_announcement(name, process, startup_timeout_s))
 
     def stop(self, timeout_s: float = 15.0) -> None:

@@ -7,11 +7,18 @@ a restarted target from its own token list (:mod:`orchestrator.failover`). Each 
 logged with its code. A service that exits more than ``max_restarts`` times within
 ``window_s`` is crash-looping: :meth:`Supervisor.poll` raises, and ``disco serve`` stops,
 saying which service and why.
+
+NOTE: children are spawned by :meth:`Supervisor.poll`, i.e. on the thread that polls (the
+main thread of ``disco serve``): a child gets SIGTERM when the thread that forked it exits
+(Linux's parent-death signal, :func:`disco_cli.launcher._terminate_with_parent`), so a
+short-lived restart thread would kill the child it started. Only the wait for the
+restarted child to serve runs in a thread.
 """
 
 from __future__ import annotations
 
 import logging
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -53,84 +60,83 @@ class Supervisor:
     Args:
         services: the running children.
         policy: backoff and cap.
-        restart: starts child ``name`` again and waits until it serves (default
+        spawn: starts child ``name`` again, returning its process (default
             :meth:`LocalServices.respawn`: the same command, the same port).
+        await_started: waits until a restarted child serves, raising if it does not
+            (default :meth:`LocalServices.await_started`); runs in a thread.
         clock: monotonic seconds (injected by tests).
-        sleep: waits that many seconds, returning early when :meth:`close` is called
-            (injected by tests).
     """
 
     def __init__(self, services: LocalServices, policy: RestartPolicy = RestartPolicy(),
-                 restart: Callable[[str], None] | None = None, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] | None = None) -> None:
+                 spawn: Callable[[str], subprocess.Popen] | None = None,
+                 await_started: Callable[[str, subprocess.Popen], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.services = services
         self.policy = policy
-        self._restart_child = restart or services.respawn
+        self._spawn = spawn or services.respawn
+        self._await_started = await_started or services.await_started
         self._clock = clock
-        self._closed = threading.Event()
-        self._sleep = sleep or self._closed.wait
-        self._restarts: dict[str, list[float]] = {}
-        self._restarting: dict[str, threading.Thread] = {}
-        self._lock = threading.Lock()
+        self._exits: dict[str, list[float]] = {}  # recent exit times per service
+        self._due: dict[str, float] = {}  # services waiting out their backoff: when to start them
+        self._starting: dict[str, threading.Thread] = {}  # restarted, not serving yet
         self.restarted: dict[str, int] = {}  # successful restarts per service
 
     def poll(self) -> None:
-        """Schedule a restart for every child that exited (each in its own thread).
+        """Notice exits, start the children whose backoff is over (on this thread).
 
         Raises:
             CrashLoop: a child exited more than ``max_restarts`` times within ``window_s``.
         """
+        now = self._clock()
         for name, process in list(self.services.processes.items()):
-            with self._lock:
-                if name in self._restarting:
-                    continue
-                code = process.poll()
-                if code is None:
-                    continue
-                now = self._clock()
-                recent = [t for t in self._restarts.get(name, []) if now - t < self.policy.window_s]
-                if len(recent) >= self.policy.max_restarts:
-                    raise CrashLoop(f"the {name} service keeps crashing: it exited {len(recent) + 1} times within "
-                                    f"{self.policy.window_s:.0f} s (last exit code {code}); stopping (see its log "
-                                    "above)")
-                self._restarts[name] = [*recent, now]
-                delay = self.policy.backoff_s(len(recent))
-                logger.warning("the %s service exited with code %s; restarting it in %.1f s (restart %d of at most "
-                               "%d per %.0f s)", name, code, delay, len(recent) + 1, self.policy.max_restarts,
-                               self.policy.window_s)
-                thread = threading.Thread(target=self._restart, args=(name, delay), name=f"restart-{name}",
-                                          daemon=True)
-                self._restarting[name] = thread
-            thread.start()
+            if name in self._starting and self._starting[name].is_alive():
+                continue
+            self._starting.pop(name, None)
+            if name in self._due:
+                if now >= self._due[name]:
+                    del self._due[name]
+                    self._restart(name)
+                continue
+            code = process.poll()
+            if code is None:
+                continue
+            recent = [t for t in self._exits.get(name, []) if now - t < self.policy.window_s]
+            if len(recent) >= self.policy.max_restarts:
+                raise CrashLoop(f"the {name} service keeps crashing: it exited {len(recent) + 1} times within "
+                                f"{self.policy.window_s:.0f} s (last exit code {code}); stopping (see its log above)")
+            self._exits[name] = [*recent, now]
+            delay = self.policy.backoff_s(len(recent))
+            self._due[name] = now + delay
+            logger.warning("the %s service exited with code %s; restarting it in %.1f s (restart %d of at most %d "
+                           "per %.0f s)", name, code, delay, len(recent) + 1, self.policy.max_restarts,
+                           self.policy.window_s)
 
-    def restarting(self) -> set[str]:
-        """Services being restarted now."""
-        with self._lock:
-            return set(self._restarting)
+    def pending(self) -> set[str]:
+        """Services waiting for their restart or restarted and not serving yet."""
+        return set(self._due) | {name for name, thread in self._starting.items() if thread.is_alive()}
 
     def wait(self, timeout_s: float | None = None) -> None:
-        """Wait for the restarts in progress (tests)."""
-        for thread in list(self._restarting.values()):
+        """Wait for the restarted children to serve (tests)."""
+        for thread in list(self._starting.values()):
             thread.join(timeout_s)
 
-    def close(self) -> None:
-        """Cancel the restarts that are still waiting out their backoff."""
-        self._closed.set()
-
-    def _restart(self, name: str, delay_s: float) -> None:
+    def _restart(self, name: str) -> None:
         try:
-            self._sleep(delay_s)
-            if self._closed.is_set():
-                return
-            self._restart_child(name)
+            process = self._spawn(name)
+        except Exception as error:  # noqa: BLE001 - counted as an exit at the next poll (the old process is dead)
+            logger.error("restarting the %s service failed: %s", name, error)
+            return
+        thread = threading.Thread(target=self._started, args=(name, process), name=f"restart-{name}", daemon=True)
+        self._starting[name] = thread
+        thread.start()
+
+    def _started(self, name: str, process: subprocess.Popen) -> None:
+        try:
+            self._await_started(name, process)
             self.restarted[name] = self.restarted.get(name, 0) + 1
             logger.info("the %s service is back on %s", name, self.services.addresses.get(name, "its port"))
         except Exception as error:  # noqa: BLE001 - the next poll sees the child dead and counts it
-            logger.error("restarting the %s service failed: %s", name, error)
-            process = self.services.processes.get(name)
-            if process is not None and process.poll() is None:
+            logger.error("the restarted %s service did not start: %s", name, error)
+            if process.poll() is None:
                 process.kill()  # e.g. it never announced its address: dead, so the next poll counts it
                 process.wait()
-        finally:
-            with self._lock:
-                self._restarting.pop(name, None)

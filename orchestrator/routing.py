@@ -207,6 +207,16 @@ class ReplicaSet:
         replica.recovering = True
         threading.Thread(target=self._recover, args=(replica,), name=f"recover-{replica.name}", daemon=True).start()
 
+    def probe_channels(self) -> list[grpc.Channel]:
+        """The channel of every known replica (discovering them first; none while the
+        registry cannot be reached), for health checks."""
+        with self._cond:
+            try:
+                self._discover_locked()
+            except Unavailable:
+                return []
+            return [replica.channel for replica in self._replicas.values()]
+
     def snapshot(self) -> list[dict]:
         """Per-replica routing state (for status output and tests)."""
         with self._cond:
@@ -271,6 +281,15 @@ class ReplicaSet:
         states = ", ".join(f"{r.name} at {r.address} ({'recovering' if r.recovering else 'down'})"
                            for r in self._replicas.values())
         return f"no {self.role} service replica is available: {states}"
+
+
+def replica_serves(channel: grpc.Channel, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:
+    """Whether the server behind ``channel`` answers its health check with SERVING."""
+    try:
+        _check_serving(channel, timeout_s)
+        return True
+    except (grpc.RpcError, Unavailable):
+        return False
 
 
 def _check_serving(channel: grpc.Channel, timeout_s: float = HEALTH_TIMEOUT_S) -> None:

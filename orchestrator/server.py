@@ -16,6 +16,7 @@ from disco.errors import DiscoError, ModelError
 from disco.models.default_pair import ensure_default_model
 from disco.models.gguf import convert_gguf
 from disco.models.loading import tokenizer_hash
+from orchestrator.backend_health import WATCH_INTERVAL_S, BackendWatch
 from orchestrator.backends import Backends
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.routing import ReplicaSet
@@ -55,7 +56,7 @@ def serve(tokenizer: PreTrainedTokenizerBase, draft_address: str | ReplicaSet, t
           host: str = "127.0.0.1", port: int = 0, limits: OrchestratorLimits = OrchestratorLimits(),
           tls: TlsFiles | None = None, require_client_cert: bool = False,
           auth_tokens: str | Sequence[str] | None = None, backend_token: str | None = None,
-          metrics_port: int | None = None,
+          metrics_port: int | None = None, watch_interval_s: float = WATCH_INTERVAL_S,
           backend_interceptors: Sequence[grpc.UnaryUnaryClientInterceptor] = ()) -> RunningServer:
     """Start the public ``disco.v1.Orchestrator`` service; returns at once.
 
@@ -78,6 +79,8 @@ def serve(tokenizer: PreTrainedTokenizerBase, draft_address: str | ReplicaSet, t
         backend_token: present ``authorization: Bearer <backend_token>`` on every call to the
             backends (their credential, never a public token; :mod:`protos.runtime.auth`).
         metrics_port: serve Prometheus ``/metrics`` on ``host:metrics_port`` (0: a free port).
+        watch_interval_s: seconds between two rounds of the backends' health checks
+            (:class:`~orchestrator.backend_health.BackendWatch`).
         backend_interceptors: client interceptors on every call to a backend (none by default).
 
     Raises:
@@ -94,8 +97,12 @@ def serve(tokenizer: PreTrainedTokenizerBase, draft_address: str | ReplicaSet, t
     servicer = OrchestratorServicer(tokenizer, backends, limits, metrics)
     serving_tls = tls if tls is not None and tls.cert is not None else None
     # Each streaming request holds a thread for its duration; Info calls get spare ones.
-    return start_server([(orchestrator_pb2_grpc.add_OrchestratorServicer_to_server, servicer, SERVICE_NAME)],
-                        host, port, max_workers=limits.max_sessions + 8, tls=serving_tls,
-                        require_client_cert=require_client_cert, metrics=metrics, metrics_port=metrics_port,
-                        interceptors=[BearerTokenInterceptor(tokens)] if tokens else [],
-                        max_receive_bytes=PUBLIC_MAX_RECEIVE_BYTES)
+    running = start_server([(orchestrator_pb2_grpc.add_OrchestratorServicer_to_server, servicer, SERVICE_NAME)],
+                           host, port, max_workers=limits.max_sessions + 8, tls=serving_tls,
+                           require_client_cert=require_client_cert, metrics=metrics, metrics_port=metrics_port,
+                           interceptors=[BearerTokenInterceptor(tokens)] if tokens else [],
+                           max_receive_bytes=PUBLIC_MAX_RECEIVE_BYTES)
+    # The draft's and the target's health, per role, in this server's health service and /metrics.
+    watch = BackendWatch({"draft": backends.draft, "target": backends.target}, running.health, metrics.registry)
+    running.servicers = (*running.servicers, watch.start(watch_interval_s))
+    return running

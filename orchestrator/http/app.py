@@ -118,15 +118,18 @@ async def models(request: Request) -> dict[str, Any]:
 
 async def health(request: Request) -> dict[str, Any]:
     """``GET /health`` (no token needed): 200 while the orchestrator answers ``Info``
-    (``degraded`` when one of its backends does not), else 503. It names no address and
-    no error detail: those are for clients with the token (``disco info``)."""
+    (``degraded`` when one of its backends does not; ``services`` says which: SERVING or
+    NOT_SERVING per role), else 503. It names no address and no error detail: those are
+    for clients with the token (``disco info``)."""
     gateway = _gateway(request)
     try:
         info = await asyncio.wait_for(gateway.client.info(), HEALTH_TIMEOUT_S)
     except (asyncio.TimeoutError, grpc.RpcError) as error:
         code = error.code().name.lower() if isinstance(error, grpc.RpcError) else "deadline_exceeded"
         raise ApiError(503, "the orchestrator does not answer", code=code) from None
-    return {"status": "degraded" if info["errors"] else "ok", "active_sessions": info["active_sessions"]}
+    down = {error.partition(":")[0] for error in info["errors"]}
+    return {"status": "degraded" if info["errors"] else "ok", "active_sessions": info["active_sessions"],
+            "services": {role: "NOT_SERVING" if role in down else "SERVING" for role in ("draft", "target")}}
 
 
 async def metrics_text(request: Request) -> Response:
