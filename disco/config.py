@@ -26,6 +26,11 @@ GPU_REFUSED_DTYPES = {
 #: What ``--dtype`` accepts: an engine, or "auto" (bf16 on CUDA; on a CPU the candidate
 #: engines timed on the machine: disco.engines.engine_choice).
 DTYPE_CHOICES = ("auto", *ENGINE_DTYPES)
+#: Stop strings a request may give, and the longest one (characters). OpenAI takes 4; 16
+#: leaves room for chat templates' end markers while bounding the matcher's automaton
+#: (at most 16 x 256 states, built per request; docs/operations.md, "Limits").
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -71,9 +76,14 @@ class SamplingParams:
             raise InvalidRequest(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidRequest(f"seed must be in [0, 2**63), got {self.seed}")
-        for stop in self.stop:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"stop strings: {len(self.stop)} given, more than the limit of {MAX_STOP_STRINGS}")
+        for index, stop in enumerate(self.stop):
             if not stop:
                 raise InvalidRequest("stop strings must not be empty")
+            if len(stop) > MAX_STOP_CHARS:
+                raise InvalidRequest(f"stop strings must be at most {MAX_STOP_CHARS} characters long; "
+                                     f"stop[{index}] has {len(stop)}")
 
     def resumed_after(self, generated: int) -> "SamplingParams":
         """The params of a session re-created after ``generated`` tokens were committed

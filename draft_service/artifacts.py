@@ -15,10 +15,11 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from disco.errors import InvalidRequest
-from disco.speculation.policies.spec import LearnedPolicyLoader
+from disco.speculation.policies.base import StopPolicy
+from disco.speculation.policies.spec import MAX_POLICY_SPEC_CHARS, LearnedPolicyLoader
 
 #: Real artifacts are a few hundred KB (a compiled classifier and a small projection).
 MAX_ARTIFACT_BYTES = 64 * 1024 * 1024
@@ -43,9 +44,11 @@ def allowed_path(argument: str, roots: Sequence[Path]) -> Path:
     Raises:
         InvalidRequest: anything else (the same message whether or not the path exists).
     """
+    spec = "disco:" + (argument if len(argument) <= MAX_POLICY_SPEC_CHARS else argument[:MAX_POLICY_SPEC_CHARS] + "...")
     refusal = InvalidRequest(
-        f"DISCO artifact {argument!r} is not available on this draft service: it serves 'default' and the "
-        "artifacts in its --artifact-dir folders" + (f" ({', '.join(str(r) for r in roots)})" if roots else " (none)"))
+        f"policy {spec!r} names a DISCO artifact that is not available on this draft service: it serves 'default' "
+        "and the artifacts in its --artifact-dir folders"
+        + (f" ({', '.join(str(r) for r in roots)})" if roots else " (none)"))
     if not argument or "\0" in argument:
         raise refusal
     candidate = Path(argument).expanduser()

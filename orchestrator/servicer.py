@@ -1,6 +1,7 @@
 """``disco.v1.Orchestrator``: the public API.
 
-Per request: parse the message, tokenize, then run the one speculation loop
+Per request: parse the message, check the prompt's size (:mod:`orchestrator.prompts`),
+tokenize, then run the one speculation loop
 (:class:`~disco.speculation.loop.SpeculativeGenerator`) with :class:`~orchestrator.remote.RemoteDrafter`
 and :class:`~orchestrator.remote.RemoteVerifier` bound to this call's deadline and
 cancellation, and translate its events back to messages. Domain errors become status
@@ -13,14 +14,14 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import grpc
 from transformers import PreTrainedTokenizerBase
 
 import disco
 from disco.config import DEFAULT_MAX_LOOKAHEAD, MAX_LOOKAHEAD_LIMIT, SamplingParams, SpeculationConfig
-from disco.engines.in_process import encode_messages, encode_prompt, make_decode
+from disco.engines.in_process import encode_messages, encode_prompt
 from disco.errors import DiscoError, InvalidRequest, ResourceExhausted
 from disco.speculation.loop import GenerationEvent, GenerationResult, SpeculativeGenerator, TokenChunk
 from disco.speculation.policies import POLICY_INFOS, parse_policy_spec, reads_costs
@@ -28,6 +29,8 @@ from orchestrator.backends import Backends
 from orchestrator.degrade import DegradingDrafter, UnreachableDrafter, draft_check
 from orchestrator.failover import FailoverDrafter, FailoverVerifier
 from orchestrator.metrics import OrchestratorMetrics
+from orchestrator.prompts import (MIN_PROMPT_BYTES, Tokenizers, check_fits_context, check_prompt_bytes,
+                                  default_prompt_byte_limit, prompt_bytes)
 from orchestrator.remote import DEFAULT_CALL_TIMEOUT_S, CallScope
 from protos import convert
 from protos.disco.v1 import orchestrator_pb2, orchestrator_pb2_grpc
@@ -47,6 +50,10 @@ class OrchestratorLimits:
     max_sessions: int = 64  # concurrent Generate calls; more get RESOURCE_EXHAUSTED
     call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S  # cap on one backend call
     max_prompt_tokens: int = 0  # longest prompt in tokens; 0: the target's context is the only limit
+    #: Largest prompt in UTF-8 bytes (a conversation: its contents), checked before tokenizing;
+    #: 0: 8 bytes per token of max_prompt_tokens or else of the target's context, within
+    #: [64 KiB, 8 MiB] (orchestrator.prompts).
+    max_prompt_bytes: int = 0
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
@@ -59,8 +66,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.limits = limits
         self.metrics = metrics or OrchestratorMetrics(tokenizer.name_or_path)
         self.metrics.track_sessions(lambda: self._active, limits.max_sessions)
-        self._decode = make_decode(tokenizer)
-        self._tokenizer_lock = threading.Lock()  # NOTE: HF fast tokenizers are not safe to share across threads
+        self._tokenizers = Tokenizers(tokenizer)  # encoding and decoding never wait for each other
         self._active = 0
         self._active_lock = threading.Lock()
 
@@ -114,6 +120,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         prompt_ids, sampling, speculation = self._parse(request)
         with self._admitted():
             target = self.backends.target_info()
+            check_fits_context(len(prompt_ids), sampling.max_new_tokens, target.max_context)
             draft_down = draft_check(self.backends, speculation.policy)  # down: serve target-only
             remaining = context.time_remaining()
             scope = CallScope(None if remaining is None or remaining > _NO_DEADLINE_S
@@ -122,7 +129,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             sticky_drafter, verifier = self.backends.session(scope)  # sticky replicas, re-prefilled on failure
             drafter = UnreachableDrafter(draft_down) if draft_down else DegradingDrafter(sticky_drafter)
             costs = self.backends.costs(self._active) if reads_costs(speculation.policy) else None
-            generator = SpeculativeGenerator(drafter, verifier, self._locked_decode, target.eos_token_ids,
+            generator = SpeculativeGenerator(drafter, verifier, self._tokenizers.decode, target.eos_token_ids,
                                              self.limits.max_new_tokens, costs=costs,
                                              parallel_prefill=True,  # the services have their own devices
                                              explore_draft=costs is not None and not draft_down
@@ -149,15 +156,27 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         if request.prompt_ids:
             prompt_ids = list(request.prompt_ids)
         else:
-            with self._tokenizer_lock:
-                prompt_ids = (encode_messages(self.tokenizer, [(m.role, m.content) for m in request.messages])
-                              if request.messages else encode_prompt(self.tokenizer, request.prompt, request.chat))
+            messages = [(m.role, m.content) for m in request.messages]
+            size = prompt_bytes(request.prompt, messages)
+            check_prompt_bytes(size, self._prompt_byte_limit(size))
+            with self._tokenizers.encoder(size) as tokenizer:
+                prompt_ids = (encode_messages(tokenizer, messages) if messages
+                              else encode_prompt(tokenizer, request.prompt, request.chat))
         convert.check_prompt_length(len(prompt_ids), self.limits.max_prompt_tokens)
         return prompt_ids, sampling, speculation
 
-    def _locked_decode(self, token_ids: Sequence[int]) -> str:
-        with self._tokenizer_lock:
-            return self._decode(token_ids)
+    def _prompt_byte_limit(self, size: int) -> int:
+        """The byte limit a prompt of ``size`` bytes is held to (the target is asked for its
+        context only when the prompt is above the floor that every context gets).
+
+        Raises:
+            Unavailable: the target's context is needed and the target cannot be reached.
+        """
+        if self.limits.max_prompt_bytes:
+            return self.limits.max_prompt_bytes
+        if size <= MIN_PROMPT_BYTES:
+            return MIN_PROMPT_BYTES
+        return default_prompt_byte_limit(self.limits.max_prompt_tokens or self.backends.target_info().max_context)
 
     @contextmanager
     def _admitted(self) -> Iterator[None]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -21,12 +22,15 @@ class IncrementalDetokenizer:
     tokens so that byte-level BPE merges and multi-byte characters come out right, and
     hold back text ending in an incomplete character (U+FFFD). Text that could be the
     start of a stop string is held back until it is decided. When a stop string
-    appears, the text is cut before it (vLLM's default) and generation stops.
+    appears, the text is cut before it (vLLM's default) and generation stops; of the stop
+    strings the text contains, the one that ends first wins (as when the tokens come one
+    at a time). Stop strings are matched by a :class:`StopMatcher`, which reads each
+    character of the text once.
     """
 
     def __init__(self, decode: Decode, stop: Sequence[str] = (), eos_token_ids: Sequence[int] = ()) -> None:
         self._decode = decode
-        self._stop = tuple(stop)
+        self._stops = StopMatcher(stop)
         self._eos = frozenset(eos_token_ids)
         self._ids: list[int] = []
         self._prefix_offset = 0
@@ -46,16 +50,14 @@ class IncrementalDetokenizer:
         prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset:])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            self._text += new_text[len(prefix_text):]
+            added = new_text[len(prefix_text):]
+            self._text += added
             self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        for stop in self._stop:
-            search_from = max(0, self._emitted - len(stop) + 1)
-            index = self._text.find(stop, search_from)
-            if index >= 0:
+            index = self._stops.feed(added)
+            if index is not None:
                 self._text = self._text[:index]
                 return self._flush(stopped=True)
-        held_back = max((self._partial_stop_len(stop) for stop in self._stop), default=0)
-        return self._release(len(self._text) - held_back, stopped=False)
+        return self._release(len(self._text) - self._stops.pending, stopped=False)
 
     def finish(self) -> TextDelta:
         """Generation ended for another reason: release everything held back,
@@ -74,9 +76,65 @@ class IncrementalDetokenizer:
         delta, self._emitted = self._text[self._emitted:upto], upto
         return TextDelta(text=delta, stopped=stopped)
 
-    def _partial_stop_len(self, stop: str) -> int:
-        """Length of the longest suffix of the text that is a proper prefix of ``stop``."""
-        for length in range(min(len(stop) - 1, len(self._text) - self._emitted), 0, -1):
-            if stop.startswith(self._text[-length:]):
-                return length
-        return 0
+
+
+class StopMatcher:
+    """Finds stop strings in a text fed piece by piece, reading each character once.
+
+    An Aho-Corasick automaton (Aho & Corasick, "Efficient string matching", CACM 1975)
+    over the stop strings: its state is the longest suffix of the text read so far that
+    is a prefix of some stop string, so it also says how much text could still become a
+    stop string (:attr:`pending`, the text to hold back). Feeding ``n`` characters takes
+    at most ``2 n`` transitions whatever the number of stop strings (:attr:`steps` counts
+    them); building it takes time linear in their total length.
+    """
+
+    def __init__(self, stops: Sequence[str] = ()) -> None:
+        self._next: list[dict[str, int]] = [{}]  # trie edges
+        self._depth = [0]  # length of the prefix a state stands for
+        self._done = [0]  # length of the longest stop string ending at a state (0: none)
+        for stop in stops:
+            state = 0
+            for char in stop:
+                if char not in self._next[state]:
+                    self._next.append({})
+                    self._depth.append(self._depth[state] + 1)
+                    self._done.append(0)
+                    self._next[state][char] = len(self._next) - 1
+                state = self._next[state][char]
+            self._done[state] = len(stop)
+        self._fail = [0] * len(self._next)
+        queue = deque(self._next[0].values())  # depth 1: their fallback is the root
+        while queue:  # breadth first: a state's fallback is shallower, so already final
+            state = queue.popleft()
+            for char, child in self._next[state].items():
+                fallback = self._fail[state]
+                while fallback and char not in self._next[fallback]:
+                    fallback = self._fail[fallback]
+                self._fail[child] = self._next[fallback].get(char, 0)
+                self._done[child] = self._done[child] or self._done[self._fail[child]]
+                queue.append(child)
+        self._state = 0
+        self._read = 0  # characters fed so far
+        self.steps = 0
+
+    @property
+    def pending(self) -> int:
+        """Characters at the end of the text that are the start of a stop string."""
+        return self._depth[self._state]
+
+    def feed(self, text: str) -> int | None:
+        """Read ``text`` (the continuation of what was fed before); the index, in the whole
+        text, where the first stop string to end in it starts, or ``None``."""
+        state, steps = self._state, 0
+        for offset, char in enumerate(text):
+            while state and char not in self._next[state]:
+                state, steps = self._fail[state], steps + 1
+            state, steps = self._next[state].get(char, 0), steps + 1
+            if self._done[state]:
+                self.steps += steps
+                self._state, self._read = state, self._read + offset + 1
+                return self._read - self._done[state]
+        self.steps += steps
+        self._state, self._read = state, self._read + len(text)
+        return None

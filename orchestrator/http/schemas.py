@@ -14,6 +14,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from disco.config import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from disco.speculation.policies.spec import MAX_POLICY_SPEC_CHARS
+
 #: OpenAI's default ``max_tokens`` of a text completion (a chat's default is the server's).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 #: OpenAI fields not implemented, accepted only at their neutral value: why each is refused.
@@ -55,8 +58,8 @@ class GenerationRequest(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     # Extra fields of this server.
-    policy: str = Field(default="", description="speculation stop policy spec (`disco policies`); empty: the "
-                                                "server's default")
+    policy: str = Field(default="", max_length=MAX_POLICY_SPEC_CHARS,
+                        description="speculation stop policy spec (`disco policies`); empty: the server's default")
     max_lookahead: int | None = Field(default=None, ge=1)
     top_k: int | None = Field(default=None, ge=0)
     ignore_eos: bool = False
@@ -74,9 +77,18 @@ class GenerationRequest(BaseModel):
 
     @field_validator("stop")
     @classmethod
-    def _non_empty_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        if stop is not None and any(not text for text in ([stop] if isinstance(stop, str) else stop)):
-            raise _refuse("stop strings must not be empty")
+    def _bounded_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        """The core's caps (:meth:`disco.config.SamplingParams.validate`), checked here so that a
+        long list is refused before it is copied into a gRPC request."""
+        stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+        if len(stops) > MAX_STOP_STRINGS:
+            raise _refuse(f"stop strings: {len(stops)} given, more than the limit of {MAX_STOP_STRINGS}")
+        for index, text in enumerate(stops):
+            if not text:
+                raise _refuse("stop strings must not be empty")
+            if len(text) > MAX_STOP_CHARS:
+                raise _refuse(f"stop strings must be at most {MAX_STOP_CHARS} characters long; "
+                              f"stop[{index}] has {len(text)}")
         return stop
 
     @field_validator("*")

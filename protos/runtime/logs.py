@@ -8,6 +8,12 @@ fields onto each record, which :class:`TextFormatter` appends as ``key=value`` a
 :class:`JsonFormatter` writes as one JSON object per line (``--log-format json``). A
 record's own ``extra=`` fields are included too.
 
+Values come from callers (a session id, a policy spec), so both formatters write every
+field and every argument of the message through :func:`clean`: control characters
+escaped (a newline is the two characters ``\\n``), so a value cannot forge a log line,
+and at most :data:`MAX_FIELD_CHARS` characters, so it cannot flood the log. A record is
+one line, but for the traceback of ``exc_info`` (below the fields).
+
 NOTE: the fields live in a :class:`contextvars.ContextVar`. The synchronous gRPC server
 runs each call on a pool thread, so the runtime *replaces* the fields at the start of
 every call instead of restoring them at its end (a streaming handler may be closed from
@@ -19,14 +25,23 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
+import re
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 _FIELDS: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("disco_log_fields", default={})
 #: Attributes every LogRecord has; anything else on a record came from ``extra=`` or the context.
 _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName"}
 LOG_FORMATS = ("text", "json")
+#: Longest field or message argument written (characters); longer ones are cut, with a marker.
+MAX_FIELD_CHARS = 200
+#: Longest message written (its arguments are cut first).
+MAX_MESSAGE_CHARS = 2000
+#: C0 and C1 control characters, DEL, and the Unicode line and paragraph separators.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
 def set_log_fields(**fields: Any) -> None:
@@ -54,8 +69,63 @@ class ContextFilter(logging.Filter):
         return True
 
 
+def _escape(match: re.Match[str]) -> str:
+    char = match.group()
+    return _NAMED.get(char) or (f"\\x{ord(char):02x}" if ord(char) < 0x100 else f"\\u{ord(char):04x}")
+
+
+def clean(value: Any, limit: int = MAX_FIELD_CHARS) -> str:
+    """``value`` as text fit for one log line: control characters escaped, and cut to
+    ``limit`` characters with a marker that says how long it was."""
+    text = value if isinstance(value, str) else str(value)
+    cut = text[:limit]
+    escaped = _CONTROL.sub(_escape, cut)
+    if len(text) > limit:
+        escaped += f"...[cut, {len(text)} chars]"
+    return escaped
+
+
+def _plain(value: Any) -> bool:
+    """A number or None: written as is (a JSON number stays one)."""
+    return value is None or isinstance(value, (bool, int, float))
+
+
+class _Clipped:
+    """A message argument formatted through :func:`clean` (``%s`` and ``%r`` alike)."""
+
+    def __init__(self, value: Any) -> None:
+        self._value = value
+
+    def __str__(self) -> str:
+        return clean(self._value)
+
+    def __repr__(self) -> str:
+        return clean(repr(self._value))
+
+
+def _clipped(value: Any) -> Any:
+    """A message argument, clipped unless it is a number (numpy's too: ``%d`` and ``%.3f`` must still apply)."""
+    return value if _plain(value) or hasattr(value, "__index__") or hasattr(value, "__float__") else _Clipped(value)
+
+
+def clean_message(record: logging.LogRecord) -> str:
+    """The record's message with its arguments cleaned, the whole escaped and cut."""
+    args = record.args
+    try:
+        if isinstance(args, Mapping):
+            message = str(record.msg) % {key: _clipped(value) for key, value in args.items()}
+        elif args:
+            message = str(record.msg) % tuple(_clipped(value) for value in args)
+        else:
+            message = str(record.msg)
+    except (TypeError, ValueError, KeyError):  # an argument that only formats as itself
+        message = record.getMessage()
+    return clean(message, MAX_MESSAGE_CHARS)
+
+
 def _extras(record: logging.LogRecord) -> dict[str, Any]:
-    return {key: value for key, value in vars(record).items() if key not in _STANDARD and not key.startswith("_")}
+    return {key: value if _plain(value) else clean(value)
+            for key, value in vars(record).items() if key not in _STANDARD and not key.startswith("_")}
 
 
 class TextFormatter(logging.Formatter):
@@ -65,8 +135,9 @@ class TextFormatter(logging.Formatter):
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
         extras = _extras(record)
+        record = logging.makeLogRecord({**vars(record), "msg": clean_message(record), "args": None})
+        line = super().format(record)
         if not extras:
             return line
         head, newline, rest = line.partition("\n")  # keep a traceback below the fields
@@ -81,7 +152,7 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
-            "level": record.levelname, "logger": record.name, "message": record.getMessage(),
+            "level": record.levelname, "logger": record.name, "message": clean_message(record),
         }
         entry.update(_extras(record))
         if record.exc_info:

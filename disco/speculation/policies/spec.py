@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 #: ``auto``'s stop rule where the DISCO artifact does not fit the draft: confidence at the
 #: threshold tuned on the default pair's training prompts (docs/disco.md, 70 + 6 prompts).
 AUTO_FALLBACK_CONFIDENCE = 0.8
+#: Longest policy spec accepted (characters): real ones are under 100 (a ``disco:`` path
+#: included); a cap keeps every message that quotes a spec small (docs/operations.md, "Limits").
+MAX_POLICY_SPEC_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,9 @@ def _entropy_params(spec: str, argument: str) -> dict[str, float]:
 
 def parse_policy_spec(spec: str) -> PolicySpec:
     """Parse and validate ``spec``; raises :class:`InvalidRequest` with the reason."""
+    if len(spec or "") > MAX_POLICY_SPEC_CHARS:
+        raise InvalidRequest(f"malformed policy spec: {len(spec)} characters, more than the limit of "
+                             f"{MAX_POLICY_SPEC_CHARS} (it starts {spec[:32]!r})")
     text = (spec or "").strip()
     if not text:
         raise InvalidRequest("policy spec is empty (try 'static:6' or see `disco policies`)")
