@@ -41,6 +41,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {role:<7} {info['addresses'][role]:<22} {state}")
         if model and model.get("exactness"):  # empty from a server older than the field
             print(f"          exactness: {model['exactness']}")
+        if model and model.get("security"):
+            print(f"          security: {model['security']}")
     limits = info["limits"]
     print(f"  requests: {active['orchestrator']}/{limits['max_sessions']} active, max_new_tokens <= "
           f"{limits['max_new_tokens']}, max_lookahead <= {limits['max_lookahead']}")
