@@ -8,6 +8,12 @@ new port; the orchestrator asks for the new address (:mod:`deploy.ray_resolver`)
 re-prefills the sessions it had there.
 
 The classes are plain Python classes; the launcher wraps them with ``ray.remote``.
+
+Credentials (the backend token, the public API's tokens) are constructor arguments: Ray
+keeps them in the actor's creation task in the GCS (readable with the cluster's Ray token
+only) and replays them when it restarts the actor, so a restarted replica accepts the same
+backend token. Ray's state API and dashboard (``ray list actors --detail``, ``list_tasks``)
+do not show constructor arguments, whereas they show a runtime environment's variables.
 """
 
 from disco.platform import tune_cpu_math_env
@@ -86,28 +92,36 @@ class ModelService:
         metrics: serve Prometheus ``/metrics`` on a free port of ``host`` (see ``describe()``).
         overlap: draft only: overlapped drafting (pre-draft the next block while the target
             verifies, :mod:`disco.engines.predraft`).
+        backend_tokens: the backend tokens callers must present (``authorization: Bearer``;
+            the deployment's orchestrator holds the first), on top of mTLS when ``tls`` has a CA.
+        insecure: serve on a non-loopback interface without TLS client authentication
+            (``disco up --insecure``); refused otherwise (:class:`~protos.runtime.backend_security.BackendSecurity`).
     """
 
     def __init__(self, role: str, model: dict, host: str | None = None, limits: dict | None = None,
-                 tls: dict | None = None, metrics: bool = False, overlap: bool = False) -> None:
+                 tls: dict | None = None, metrics: bool = False, overlap: bool = False,
+                 backend_tokens: tuple[str, ...] = (), insecure: bool = False) -> None:
         import draft_service.server  # noqa: PLC0415 - torch-using modules after tune_cpu_math_env
         import target_service.server  # noqa: PLC0415
         from disco.config import ModelConfig  # noqa: PLC0415
         from disco.engines.sessions import SessionLimits  # noqa: PLC0415
         from disco.models.loading import disco_home, load_model  # noqa: PLC0415
         from disco.engines.engine_choice import choose_engine  # noqa: PLC0415
+        from protos.runtime.backend_security import BackendSecurity  # noqa: PLC0415
 
         self.role = role
+        host = host or ray.util.get_node_ip_address()
+        self._tls = _tls(tls)
+        security = BackendSecurity(tuple(backend_tokens), insecure=insecure)
+        security.statement(host, self._tls)  # an exposed backend fails here, before its model loads
         model = {**model, "dtype": choose_engine(model.get("dtype", "auto"), model.get("spec"), role,
                                                  model.get("device", "cpu"), disco_home(), progress=False)}
         loaded = load_model(ModelConfig(**model), role, disco_home(), progress=False)
         module = draft_service.server if role == "draft" else target_service.server
-        host = host or ray.util.get_node_ip_address()
-        self._tls = _tls(tls)
         options = {"overlap": overlap} if role == "draft" else {}
         self._limits = SessionLimits(**(limits or {}))
-        self._running = module.serve(loaded, host=host, port=0, limits=self._limits,
-                                     tls=self._tls, metrics_port=0 if metrics else None, **options)
+        self._running = module.serve(loaded, host=host, port=0, limits=self._limits, tls=self._tls,
+                                     metrics_port=0 if metrics else None, security=security, **options)
         if self._running.metrics is not None:
             self._running.metrics.describe_engine(model["dtype"], model.get("device", "cpu"))
         self._address = _advertised(host, self._running.port)
@@ -144,20 +158,20 @@ class OrchestratorService:
         metrics: serve Prometheus ``/metrics`` on a free port of ``host``.
         http_port: also serve the OpenAI-compatible HTTP API on this port of ``host``
             (0: any; ``None``: none), in front of this orchestrator (docs/http.md).
-
-    The bearer token of the public API, if any, comes from ``$DISCO_AUTH_TOKEN`` in the
-    actor's environment (``disco up`` puts it in the actor's runtime environment).
+        auth_tokens: the public API's bearer tokens (gRPC and HTTP; empty: none required).
+        backend_token: the token presented to the draft and target replicas (their
+            ``backend_tokens``; never one of ``auth_tokens``).
     """
 
     def __init__(self, namespace: str, tokenizer_spec: str | None, host: str | None = None, port: int = 0,
                  limits: dict | None = None, tls: dict | None = None, require_client_cert: bool = False,
-                 metrics: bool = False, http_port: int | None = None) -> None:
+                 metrics: bool = False, http_port: int | None = None, auth_tokens: tuple[str, ...] = (),
+                 backend_token: str | None = None) -> None:
         from deploy.ray_resolver import RayResolver  # noqa: PLC0415
         from disco.models.loading import disco_home  # noqa: PLC0415
         from orchestrator.routing import ReplicaSet  # noqa: PLC0415
         from orchestrator.server import load_tokenizer, serve  # noqa: PLC0415
         from orchestrator.servicer import OrchestratorLimits  # noqa: PLC0415
-        from protos.runtime.tls import auth_token_from_env  # noqa: PLC0415
 
         resolver = RayResolver(namespace)
         tokenizer = load_tokenizer(tokenizer_spec, disco_home())
@@ -165,8 +179,8 @@ class OrchestratorService:
         self._tls = _tls(tls)
         self._running = serve(tokenizer, ReplicaSet("draft", resolver), ReplicaSet("target", resolver),
                               host=host, port=port, limits=OrchestratorLimits(**(limits or {})), tls=self._tls,
-                              require_client_cert=require_client_cert, auth_token=auth_token_from_env(),
-                              metrics_port=0 if metrics else None)
+                              require_client_cert=require_client_cert, auth_tokens=tuple(auth_tokens),
+                              backend_token=backend_token, metrics_port=0 if metrics else None)
         self._address = _advertised(host, self._running.port)
         self._http = None
         if http_port is not None:
@@ -174,7 +188,7 @@ class OrchestratorService:
             from orchestrator.http.server import start_in_thread  # noqa: PLC0415
 
             self._http = start_in_thread(HttpConfig.fronting(
-                self._address, host, http_port, auth_token=auth_token_from_env(),
+                self._address, host, http_port, auth_tokens=tuple(auth_tokens),
                 **{f"tls_{key}": value for key, value in (tls or {}).items()}))
 
     def address(self) -> str:

@@ -4,9 +4,10 @@ and ``disco status`` (other processes) find the deployment again.
 NOTE: ``ray.init()`` without an address starts a Ray runtime that dies with the
 process that started it, detached actors included, so ``disco up`` could not return.
 Instead it runs ``ray start --head --block`` (Ray's public CLI) as a child in its own
-session: bound to 127.0.0.1, on free ports, with a reaper that takes Ray's processes
-down with it. ``disco down`` sends that one process SIGTERM (by pid, recorded in the
-state file); it never runs ``ray stop``, which stops every Ray runtime of the machine.
+session: bound to 127.0.0.1 (:func:`use_loopback`), on free ports, with a reaper that
+takes Ray's processes down with it. ``disco down`` sends that one process SIGTERM (by
+pid, recorded in the state file); it never runs ``ray stop``, which stops every Ray
+runtime of the machine.
 """
 
 from __future__ import annotations
@@ -27,6 +28,12 @@ HEAD_START_TIMEOUT_S = 180.0
 STATE_DIR = "ray"
 AUTH_MODE_VARIABLE = "RAY_AUTH_MODE"
 HEAD_READY_LINE = "Ray runtime started"
+LOOPBACK = "127.0.0.1"
+#: NOTE: Ray (checked on 2.60) maps a loopback address it is given (``--node-ip-address``,
+#: ``ray.init(address=...)``, ``_node_ip_address``) to the machine's network address, except
+#: where "Ray clusters" are off: the switch Ray keeps for single-machine runtimes on macOS and
+#: Windows. With it off, a node's IP is 127.0.0.1 and every Ray server of the node binds it.
+LOOPBACK_VARIABLE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 OBJECT_STORE_BYTES = 256 * 1024 * 1024  # control messages only: tokens travel over gRPC, not Ray
 
 
@@ -108,32 +115,52 @@ class LocalHead:
 
 
 def start_local_head(home: Path, num_cpus: int, namespace: str) -> LocalHead:
-    """Start ``ray start --head --block`` on this node (see :class:`LocalHead`). Workers inherit this environment (call
-    :func:`use_token_auth` first), plus the folder holding this package on
-    ``PYTHONPATH`` (so a source checkout works without installing).
-
-    NOTE: Ray binds the node's IP, not 127.0.0.1 (it maps loopback addresses to the
-    node's IP), so the head is reachable from the network: keep token auth on.
+    """Start ``ray start --head --block`` on this node (see :class:`LocalHead`), on
+    127.0.0.1 only (GCS, raylet, Ray Client server, agents; no dashboard). Workers inherit
+    this environment (call :func:`use_token_auth` first), plus the folder holding this
+    package on ``PYTHONPATH`` (so a source checkout works without installing).
     """
+    use_loopback()  # this process connects to it over 127.0.0.1 too
     port, client_port = free_port(), free_port()
     log_path = home / STATE_DIR / f"{namespace}-head.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     root = str(Path(__file__).resolve().parent.parent)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env[LOOPBACK_VARIABLE] = "0"
     command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
-               f"--port={port}", f"--ray-client-server-port={client_port}", f"--dashboard-port={free_port()}",
-               f"--dashboard-agent-listen-port={free_port()}",  # NOTE: free ports: another Ray may run here
+               f"--node-ip-address={LOOPBACK}", f"--port={port}", f"--ray-client-server-port={client_port}",
+               # NOTE: free ports: another Ray may run here
+               f"--dashboard-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
                f"--num-cpus={num_cpus}", f"--object-store-memory={OBJECT_STORE_BYTES}",
                "--include-dashboard=false", "--disable-usage-stats"]
     with open(log_path, "w", encoding="utf-8") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    env=env, start_new_session=True)
-    import ray  # noqa: PLC0415 - after use_token_auth
+    return LocalHead(f"{LOOPBACK}:{port}", f"ray://{LOOPBACK}:{client_port}", process, log_path)
 
-    ip = ray.util.get_node_ip_address()
-    return LocalHead(f"{ip}:{port}", f"ray://{ip}:{client_port}", process, log_path)
 
+def use_loopback() -> None:
+    """Make this process (and the Ray processes it starts) put Ray nodes on 127.0.0.1 and
+    connect to a cluster there by 127.0.0.1 (see :data:`LOOPBACK_VARIABLE`).
+
+    Call it only for a Ray runtime on this machine (a local head, the tests' clusters):
+    such a process cannot join a cluster on other machines afterwards.
+    NOTE: Ray reads the switch when it is imported; a process that imported it already
+    gets the same setting on Ray's constants module.
+    """
+    os.environ[LOOPBACK_VARIABLE] = "0"
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None:
+        constants.ENABLE_RAY_CLUSTER = False
+
+
+def is_loopback_address(address: str | None) -> bool:
+    """Whether a Ray address (``HOST:PORT``, ``ray://HOST:PORT``) names this machine's loopback."""
+    if not address or address in ("auto", "local"):
+        return False
+    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    return host == "localhost" or host.startswith("127.") or host == "::1"
 
 
 def connect(address: str, namespace: str, head: subprocess.Popen | None = None,
@@ -143,6 +170,8 @@ def connect(address: str, namespace: str, head: subprocess.Popen | None = None,
     Raises:
         DiscoError: the cluster cannot be reached (or the head we started exited).
     """
+    if is_loopback_address(address):
+        use_loopback()  # else Ray would dial the machine's network address instead
     import ray  # noqa: PLC0415
 
     if ray.is_initialized():

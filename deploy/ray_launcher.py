@@ -5,6 +5,12 @@ reserves one placement-group bundle per service replica, starts the draft and ta
 replicas as named, detached, restartable actors in their bundles, then the orchestrator
 actor on the head node, and returns their addresses. Everything lives in one Ray
 namespace (default ``disco``): ``down`` and ``status`` find it there by name.
+
+Credentials: the draft and target replicas accept only callers that present the
+deployment's backend token (a fresh one per ``up``, unless one is given) and, with
+``--tls-ca``, a client certificate (mTLS); the orchestrator actor holds that token and
+requires the public API's tokens. All of them travel as actor constructor arguments (see
+:mod:`deploy.ray_actors`), never in a runtime environment, a log or a command line.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
@@ -23,7 +30,9 @@ from deploy import ray_head
 from deploy.ray_actors import ModelService, OrchestratorService
 from deploy.ray_resolver import ORCHESTRATOR_NAME, actor_names, replica_name, role_of
 from disco.errors import DiscoError
-from protos.runtime.tls import AUTH_TOKEN_ENV
+from protos.runtime.auth import new_token
+from protos.runtime.backend_security import BackendSecurity
+from protos.runtime.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +93,13 @@ class UpConfig:
     metrics: bool = False  # each service serves /metrics on a free port (`disco status` lists them)
     overlap: bool = False  # draft replicas pre-draft the next block while the target verifies (disco.engines.predraft)
     http_port: int | None = None  # the orchestrator actor also serves the OpenAI-compatible HTTP API (docs/http.md)
+    # Backends on a non-loopback interface without TLS client authentication: refused unless insecure.
+    insecure: bool = False
+    # The tokens the draft and target replicas accept (the orchestrator presents the first):
+    # `--backend-token-file` / $DISCO_BACKEND_TOKEN, needed when the orchestrator runs elsewhere
+    # (`disco ray-orchestrator`); empty: a fresh token per `up` when the orchestrator actor is
+    # started. A secret: kept out of repr (logs, tracebacks).
+    backend_tokens: tuple[str, ...] = field(default=(), repr=False)
 
     def tls_paths(self) -> dict | None:
         paths = {"cert": self.tls_cert, "key": self.tls_key, "ca": self.tls_ca}
@@ -92,16 +108,23 @@ class UpConfig:
         return {**paths, "server_name": self.tls_server_name}
 
 
-def up(config: UpConfig, home: Path, auth_token: str | None = None) -> dict:
+def up(config: UpConfig, home: Path, auth_tokens: str | Sequence[str] | None = None) -> dict:
     """Deploy; returns ``{"orchestrator": HOST:PORT | None, "draft": [...], "target": [...], ...}``.
 
-    ``auth_token``: bearer token the orchestrator requires on the public API; it reaches the
-    orchestrator actor through its runtime environment (``$DISCO_AUTH_TOKEN``), never its arguments.
+    Args:
+        config: what to deploy (``config.backend_tokens``: the backends' credential).
+        home: ``$DISCO_HOME`` (the deployment's record, the local head's log).
+        auth_tokens: bearer tokens the orchestrator requires on the public API (none: no check).
 
     Raises:
-        DiscoError: a deployment already runs in the namespace, the placement group cannot
-            be scheduled, or a service fails to start (then everything started is removed).
+        DiscoError: a deployment already runs in the namespace, a backend would be reachable
+            without credentials (before anything starts), the placement group cannot be
+            scheduled, or a service fails to start (then everything started is removed).
     """
+    public = (auth_tokens,) if isinstance(auth_tokens, str) else tuple(auth_tokens or ())
+    security = _backend_security(config, public, tuple(config.backend_tokens))
+    if config.host is not None:
+        _check_exposure(security, config, [config.host])
     head = None
     address = config.address
     previous = ray_head.load_state(home, config.namespace)
@@ -126,9 +149,11 @@ def up(config: UpConfig, home: Path, auth_token: str | None = None) -> dict:
         if existing:
             raise DiscoError(f"Ray namespace {config.namespace!r} already runs {', '.join(existing)}; "
                              "run `disco down` first or choose another --namespace")
+        if config.host is None:  # each replica binds its node's IP
+            _check_exposure(security, config, [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]])
         deploying = True
         ray_head.save_state(home, state)
-        result = _deploy(config, auth_token)
+        result = _deploy(config, public, security)
         state.orchestrator = result["orchestrator"]
         ray_head.save_state(home, state)
         return {**result, "namespace": config.namespace, "ray_address": address,
@@ -181,7 +206,37 @@ def _replicas(config: UpConfig, cluster_has_gpus: bool) -> tuple[list[_Replica],
     return replicas, bundles
 
 
-def _deploy(config: UpConfig, auth_token: str | None) -> dict:
+def _backend_security(config: UpConfig, public: tuple[str, ...], tokens: tuple[str, ...]) -> BackendSecurity:
+    """The credentials of the deployment's backends: ``tokens``, else a fresh token when
+    the orchestrator actor is started here (it alone will hold it).
+
+    Raises:
+        DiscoError: a backend token is a public token, or no orchestrator would hold a credential.
+    """
+    if set(tokens) & set(public):
+        raise DiscoError("the backend token must differ from the public API's tokens (a public client would "
+                         "otherwise reach the draft and target services)")
+    if not tokens and config.orchestrator:
+        tokens = (new_token(),)
+    if not tokens and not config.tls_ca and not config.insecure:
+        raise DiscoError("--no-orchestrator: the orchestrator you run elsewhere needs the backends' credential; "
+                         "give one with --backend-token-file (or $DISCO_BACKEND_TOKEN), the same for "
+                         "`disco ray-orchestrator`, or mTLS with --tls-ca")
+    return BackendSecurity(tokens, insecure=config.insecure)
+
+
+def _check_exposure(security: BackendSecurity, config: UpConfig, hosts: list[str]) -> None:
+    """Refuse (:meth:`BackendSecurity.statement`) before any actor starts when a replica
+    would bind a non-loopback address of ``hosts`` without TLS client authentication."""
+    tls = TlsFiles.from_paths(config.tls_cert, config.tls_key, config.tls_ca) if config.tls_cert else None
+    for host in dict.fromkeys(hosts):
+        statement = security.statement(host, tls)
+        if statement.startswith("INSECURE"):
+            logger.warning("disco up --insecure: the draft and target replicas are %s", statement)
+            return
+
+
+def _deploy(config: UpConfig, public: tuple[str, ...], security: BackendSecurity) -> dict:
     replicas, bundles = _replicas(config, ray.cluster_resources().get("GPU", 0) > 0)
     strategy, note = _strategy(config.placement, bundles, ray.nodes())
     if note:
@@ -199,17 +254,18 @@ def _deploy(config: UpConfig, auth_token: str | None) -> dict:
             name=replica_name(role, replica.index), lifetime="detached", max_restarts=config.max_restarts,
             num_cpus=replica.cpus, num_gpus=replica.gpus, resources=replica.resources or None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=replica.bundle),
-        ).remote(role, model, config.host, {"max_sessions": config.max_sessions, "max_kv_bytes": config.max_kv_bytes}, config.tls_paths(), config.metrics,
-                 overlap=config.overlap and role == "draft")
+        ).remote(role, model, config.host, {"max_sessions": config.max_sessions, "max_kv_bytes": config.max_kv_bytes},
+                 config.tls_paths(), config.metrics, overlap=config.overlap and role == "draft",
+                 backend_tokens=security.tokens, insecure=security.insecure)
     addresses = {name: _await(name, handle, config.startup_timeout_s) for name, handle in handles.items()}
     orchestrator = http = None
     if config.orchestrator:
         handle = ray.remote(OrchestratorService).options(
             name=ORCHESTRATOR_NAME, lifetime="detached", max_restarts=config.max_restarts, num_cpus=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(_head_node_id(), soft=False),
-            runtime_env={"env_vars": {AUTH_TOKEN_ENV: auth_token}} if auth_token else None,
         ).remote(config.namespace, config.target, config.host, config.port, None, config.tls_paths(),
-                 config.tls_require_client_cert, config.metrics, config.http_port)
+                 config.tls_require_client_cert, config.metrics, config.http_port, auth_tokens=public,
+                 backend_token=security.tokens[0] if security.tokens else None)
         orchestrator = _await(ORCHESTRATOR_NAME, handle, config.startup_timeout_s)
         http = ray.get(handle.http_url.remote(), timeout=DESCRIBE_TIMEOUT_S)
     return {"orchestrator": orchestrator, "http": http, "placement": strategy, "placement_note": note,

@@ -15,6 +15,7 @@ import time
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from deploy.ray_head import is_loopback_address, use_loopback
 from disco.errors import Unavailable
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,8 @@ class RayResolver:
         with self._lock:
             if ray.is_initialized():
                 return
+            if is_loopback_address(self.address):
+                use_loopback()  # a Ray runtime on this machine's 127.0.0.1 (deploy.ray_head)
             try:
                 ray.init(address=self.address, namespace=self.namespace, log_to_driver=False)
             except Exception as error:  # noqa: BLE001 - ray.init raises many kinds; all mean "not reachable"

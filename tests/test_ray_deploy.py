@@ -3,7 +3,9 @@ generation through the orchestrator actor is token-identical to in-process; two 
 replicas share concurrent sessions; the draft or a target actor killed mid-generation
 is restarted by Ray while the request completes, exact; ``disco down`` leaves nothing.
 The deployment runs as a secured one would: TLS everywhere, mutual TLS between the
-orchestrator and its backends, a bearer token on the public API, ``/metrics`` served.
+orchestrator and its backends plus the deployment's backend token (fresh per ``up``), a
+bearer token on the public API, ``/metrics`` served; the local Ray head and every service
+on 127.0.0.1 only, and no credential in Ray's readable state, a command line or a log.
 
 One deployment serves the whole module (a Ray head plus four actor processes take about
 a minute to start on a busy 2-core machine); the tests run in file order and the last
@@ -11,13 +13,15 @@ one takes it down.
 """
 
 import json
+import re
 import urllib.error
 import urllib.request
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 
 from deploy.ray_head import use_token_auth  # noqa: E402 - imports no ray
@@ -25,17 +29,23 @@ from deploy.ray_head import use_token_auth  # noqa: E402 - imports no ray
 use_token_auth(generate=True)  # before `import ray`: the local head uses Ray's token auth
 ray = pytest.importorskip("ray")
 
+from deploy import ray_launcher  # noqa: E402
 from deploy.ray_launcher import UpConfig, down, status, up  # noqa: E402
+from disco_cli.commands.ray import up_report  # noqa: E402
 from disco_cli.main import main  # noqa: E402
 from orchestrator.client import DiscoClient, DiscoRpcError  # noqa: E402
+from protos.disco.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc  # noqa: E402
+from protos.runtime.auth import auth_metadata  # noqa: E402
+from protos.runtime.tls import TlsFiles, secure_channel  # noqa: E402
 from tests import helpers  # noqa: E402
 from tests.helpers import PROMPTS, target_only_tokens  # noqa: E402
 from tests.pki import Authority  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
-TOKEN = "ray-s3cret"
-SERVER_NAME = "localhost"  # the test certificates name localhost; the actors listen on the node's IP
+TOKEN = "ray-public-s3cret-0123456789"
+SERVER_NAME = "localhost"  # the test certificates name localhost (and 127.0.0.1)
+LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
 NEW_TOKENS = 32
 LONG_TOKENS = 300  # static:1: one Draft and one Verify round trip per token, long enough to interrupt
 RESTART_TIMEOUT_S = 180.0
@@ -49,6 +59,9 @@ class Deployment:
     namespace: str
     pids: dict
     ca: Path
+    services: object  # the services' certificate (tests.pki.Issued): a client that passes mTLS
+    backend_token: str  # the one `up` generated for this deployment
+    names: dict = field(default_factory=dict)
 
     def actor(self, name: str):
         return ray.get_actor(name, namespace=self.namespace)
@@ -70,11 +83,21 @@ def deployment(tiny_pair_dirs, tmp_path_factory):
     authority = Authority(tmp_path_factory.mktemp("pki"))
     services = authority.issue("services")
     namespace = f"disco-test-{uuid.uuid4().hex[:8]}"
-    info = up(UpConfig(target=str(tiny_pair_dirs["target"]), draft=str(tiny_pair_dirs["draft"]), dtype="float32",
-                       namespace=namespace, target_replicas=2, port=0, tls_cert=str(services.cert),
-                       tls_key=str(services.key), tls_ca=str(authority.ca), tls_server_name=SERVER_NAME,
-                       metrics=True, http_port=0, max_kv_bytes=KV_BUDGET), home, auth_token=TOKEN)
-    deployment = Deployment(info, home, namespace, {}, authority.ca)
+    generated, original = [], ray_launcher.new_token  # the backend token `up` makes (nobody is told it)
+
+    def new_token() -> str:
+        generated.append(original())
+        return generated[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ray_launcher, "new_token", new_token)
+        info = up(UpConfig(target=str(tiny_pair_dirs["target"]), draft=str(tiny_pair_dirs["draft"]),
+                           dtype="float32", namespace=namespace, target_replicas=2, port=0,
+                           tls_cert=str(services.cert), tls_key=str(services.key), tls_ca=str(authority.ca),
+                           tls_server_name=SERVER_NAME, metrics=True, http_port=0, max_kv_bytes=KV_BUDGET),
+                  home, (TOKEN,))
+    (backend_token,) = generated
+    deployment = Deployment(info, home, namespace, {}, authority.ca, services, backend_token)
     yield deployment
     if ray.is_initialized():  # a test failed before test_down_removes_everything
         down(None, namespace, home)
@@ -116,6 +139,99 @@ def test_up_starts_every_actor_and_status_lists_them(deployment):
     assert report["orchestrator"] == info["orchestrator"]
     assert report["placement_group"]["strategy"] == "SPREAD" and report["placement_group"]["state"] == "CREATED"
     deployment.pids.update({name: actor["pid"] for name, actor in actors.items()})
+    deployment.names.update({name: actor["address"] for name, actor in actors.items()})
+
+
+def test_a_local_head_and_every_service_are_on_loopback_only(deployment):
+    """``disco up`` without ``--address``: the Ray node is 127.0.0.1, every address it
+    prints is 127.0.0.1, and no process of the Ray runtime (head daemons, the actors'
+    gRPC, HTTP and metrics servers) listens on any other address."""
+    info = deployment.info
+    assert {node["NodeManagerAddress"] for node in ray.nodes()} == {"127.0.0.1"}
+    printed = up_report(info) + json.dumps(info)
+    addresses = set(re.findall(r"\b\d{1,3}(?:\.\d{1,3}){3}\b", printed))
+    assert addresses == {"127.0.0.1"}, printed
+    for actor in status(None, deployment.namespace, deployment.home)["actors"]:
+        assert actor["node_ip"] == "127.0.0.1" and actor["address"].startswith("127.0.0.1:"), actor
+        assert actor["metrics"].startswith("127.0.0.1:"), actor
+    head = psutil.Process(info["ray_head_pid"])
+    listening = {(process.name(), c.laddr.ip, c.laddr.port) for process in [head, *head.children(recursive=True)]
+                 for c in _connections(process) if c.status == psutil.CONN_LISTEN}
+    assert listening and {ip for _, ip, _ in listening} <= LOOPBACK, sorted(listening)
+    ports = {port for _, _, port in listening}
+    for address in (info["orchestrator"], *info["target"], *info["draft"]):  # the actors' servers are among them
+        assert int(address.rsplit(":", 1)[1]) in ports, address
+
+
+def _connections(process: psutil.Process) -> list:
+    try:
+        return process.net_connections(kind="inet")
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return []
+
+
+def backend_stub(deployment: Deployment, name: str, with_client_certificate: bool = True):
+    tls = TlsFiles.from_paths(deployment.services.cert if with_client_certificate else None,
+                              deployment.services.key if with_client_certificate else None,
+                              deployment.ca, SERVER_NAME)
+    channel = secure_channel(deployment.names[name], tls)
+    stub = (draft_pb2_grpc.DraftServiceStub if name.startswith("draft") else target_pb2_grpc.TargetServiceStub)
+    return channel, stub(channel)
+
+
+def info_code(stub, metadata=()) -> grpc.StatusCode:
+    try:
+        stub.Info(common_pb2.ServiceInfoRequest(), metadata=metadata, timeout=30)
+    except grpc.RpcError as error:
+        return error.code()
+    return grpc.StatusCode.OK
+
+
+def test_the_backends_answer_only_the_deployments_orchestrator(deployment, reference):
+    """A direct call to a draft or target replica, even with a client certificate the CA
+    signed (mTLS passes), is refused without the deployment's backend token, and the public
+    token is not it; the orchestrator (which holds it) serves."""
+    for name in ("draft-0", "target-0", "target-1"):
+        channel, stub = backend_stub(deployment, name)
+        with channel:
+            assert info_code(stub) == grpc.StatusCode.UNAUTHENTICATED, name
+            assert info_code(stub, auth_metadata(TOKEN)) == grpc.StatusCode.UNAUTHENTICATED, name
+            assert info_code(stub, auth_metadata(deployment.backend_token)) == grpc.StatusCode.OK, name
+            info = stub.Info(common_pb2.ServiceInfoRequest(), metadata=auth_metadata(deployment.backend_token),
+                             timeout=30)
+            assert info.security == "authenticated (mTLS + backend token) on loopback", info.security
+        channel, stub = backend_stub(deployment, name, with_client_certificate=False)
+        with channel:  # no client certificate: the TLS handshake fails, whatever the token
+            assert info_code(stub, auth_metadata(deployment.backend_token)) != grpc.StatusCode.OK, name
+    with deployment.client() as client:
+        result = client.generate(PROMPTS[0], policy="static:3", max_new_tokens=8, ignore_eos=True)
+    assert result.token_ids == reference(PROMPTS[0], 8) and result.stats["draft_tokens"] > 0
+
+
+def test_no_credential_shows_in_ray_state_runtime_environments_command_lines_or_logs(deployment):
+    """The backend and public tokens reach the actors as constructor arguments: not in their
+    runtime environments (which Ray's state API and dashboard show), not in the GCS actor
+    table as Ray's tools read it, not on a command line, not in a log."""
+    secrets = (deployment.backend_token, TOKEN)
+    for name in ("orchestrator", "draft-0", "target-0", "target-1"):
+        runtime_env = ray.get(deployment.actor(name).__ray_call__.remote(
+            lambda self: ray.get_runtime_context().runtime_env), timeout=30)
+        assert not any(secret in json.dumps(runtime_env) for secret in secrets), (name, runtime_env)
+    table = json.dumps(ray._private.state.actors(), default=str)  # the GCS actor table, as Ray reads it
+    assert "OrchestratorService" in table and not any(secret in table for secret in secrets)
+    head = psutil.Process(deployment.info["ray_head_pid"])
+    for process in [head, *head.children(recursive=True)]:
+        try:
+            command_line = " ".join(process.cmdline())
+        except psutil.NoSuchProcess:
+            continue
+        assert not any(secret in command_line for secret in secrets), command_line
+    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+    files = [path for folder in (logs, deployment.home / "ray") for path in folder.rglob("*") if path.is_file()]
+    assert len(files) > 5 and any(path.name.startswith("worker-") for path in files)
+    for path in files:
+        text = path.read_text(errors="replace")
+        assert not any(secret in text for secret in secrets), path
 
 
 def test_generation_through_the_orchestrator_is_token_identical(deployment, reference, capsys):
@@ -199,6 +315,7 @@ def wait_restarted(deployment: Deployment, name: str) -> dict:
     wait_until(lambda: next(r for r in deployment.routing()[role] if r["name"] == name)["healthy"],
                what=f"the orchestrator to route to {name} again")
     deployment.pids[name] = actor["pid"]
+    deployment.names[name] = actor["address"]
     return actor
 
 
@@ -210,6 +327,10 @@ def test_draft_killed_mid_generation_is_restarted_and_the_request_stays_exact(de
     assert next(r for r in deployment.routing()["draft"] if r["name"] == name)["failures"] == 1
     restarted = wait_restarted(deployment, name)
     assert restarted["address"] not in deployment.info["draft"]  # a new process, a new port
+    channel, stub = backend_stub(deployment, name)
+    with channel:  # Ray replayed the constructor arguments: the same backend token, still required
+        assert info_code(stub) == grpc.StatusCode.UNAUTHENTICATED
+        assert info_code(stub, auth_metadata(deployment.backend_token)) == grpc.StatusCode.OK
     with deployment.client() as client:  # the next request drafts on the restarted replica
         again = client.generate(PROMPTS[1], policy="static:3", max_new_tokens=NEW_TOKENS, ignore_eos=True)
     assert again.token_ids == reference(PROMPTS[1], NEW_TOKENS)

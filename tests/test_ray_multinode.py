@@ -12,6 +12,10 @@ docs/deploy.md.
 One cluster serves the module (five raylets start in ~25 s on 2 cores); the tests run in
 file order. The head detects a lost node after ~2 s (health checks every 0.5 s, 4 misses)
 instead of Ray's ~15-25 s default, so that the suite stays short.
+
+Every raylet, the GCS and the dashboard are on 127.0.0.1 (:func:`deploy.ray_head.use_loopback`):
+no traffic leaves loopback. The deployment is secured as on KubeRay: a public token from
+``--auth-token-file``, the backend token from ``$DISCO_BACKEND_TOKEN``.
 """
 
 from __future__ import annotations
@@ -24,11 +28,13 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import pytest
 
-from deploy.ray_head import use_token_auth  # noqa: E402 - imports no ray
+from deploy.ray_head import free_port, use_loopback, use_token_auth  # noqa: E402 - imports no ray
 
 use_token_auth(generate=True)  # as tests/test_ray_deploy.py: the same process may run both
+use_loopback()  # every node of the cluster below on 127.0.0.1, and this driver connects there
 ray = pytest.importorskip("ray")
 
 from ray._private import ray_constants  # noqa: E402
@@ -39,6 +45,8 @@ from disco.errors import DiscoError  # noqa: E402
 from disco.models.loading import disco_home  # noqa: E402
 from disco_cli.main import main  # noqa: E402
 from orchestrator.client import DiscoClient  # noqa: E402
+from protos.disco.v1 import common_pb2, target_pb2_grpc  # noqa: E402
+from protos.runtime.auth import BACKEND_TOKEN_ENV, auth_metadata  # noqa: E402
 from tests import helpers  # noqa: E402
 from tests.helpers import PROMPTS, target_only_tokens  # noqa: E402
 
@@ -47,7 +55,10 @@ pytestmark = pytest.mark.ray
 NEW_TOKENS = 24
 LONG_TOKENS = 200  # static:1: a round trip per token, long enough to lose a node mid-stream
 RECOVERY_TIMEOUT_S = 180.0
-NODE = {"num_cpus": 1, "object_store_memory": 80 * 2**20}
+LOOPBACK = "127.0.0.1"
+NODE = {"num_cpus": 1, "object_store_memory": 80 * 2**20, "node_ip_address": LOOPBACK}
+PUBLIC_TOKEN = "multinode-public-0123456789"
+BACKEND_TOKEN = "multinode-backend-0123456789"
 ROLE_RESOURCES = {"target": {"disco_target": 1.0}, "draft": {"disco_draft": 1.0}}
 FAST_FAILURE_DETECTION = {"health_check_period_ms": 500, "health_check_failure_threshold": 4,
                           "health_check_timeout_ms": 500}
@@ -84,7 +95,23 @@ class MultiNode:
         return {actor["name"]: actor for actor in status(self.cluster.address, self.namespace, self.home)["actors"]}
 
     def client(self) -> DiscoClient:
-        return DiscoClient(self.info["orchestrator"], timeout=RECOVERY_TIMEOUT_S)
+        return DiscoClient(self.info["orchestrator"], timeout=RECOVERY_TIMEOUT_S, auth_token=PUBLIC_TOKEN)
+
+
+def _listening(nodes: list) -> set[tuple[str, int]]:
+    """``(ip, port)`` of every listening socket of the nodes' processes (GCS, raylets,
+    agents, dashboard) and their descendants (the actors' gRPC servers among them)."""
+    import psutil  # noqa: PLC0415 - a Ray dependency
+
+    pids = {info.process.pid for node in nodes for infos in node.all_processes.values() for info in infos}
+    found = set()
+    for pid in pids | {child for pid in pids for child in _descendants(pid)}:
+        try:
+            connections = psutil.Process(pid).net_connections(kind="inet")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        found |= {(c.laddr.ip, c.laddr.port) for c in connections if c.status == psutil.CONN_LISTEN}
+    return found
 
 
 def _descendants(pid: int) -> list[int]:
@@ -112,7 +139,9 @@ def multinode():
         ray.shutdown()
     started = time.monotonic()
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "object_store_memory": 80 * 2**20, "_system_config": FAST_FAILURE_DETECTION})
+        "num_cpus": 0, "object_store_memory": 80 * 2**20, "_system_config": FAST_FAILURE_DETECTION,
+        "node_ip_address": LOOPBACK, "include_dashboard": True, "dashboard_host": LOOPBACK,
+        "dashboard_port": free_port()})  # the dashboard serves Ray's state API (list_actors) to the tests
     deployment = MultiNode(cluster, {}, {}, disco_home())  # where `disco up` (the CLI) records the deployment
     for role in ("target", "target", "draft", "draft"):
         deployment.add_node(role)
@@ -145,12 +174,17 @@ def serving_on_new_node(deployment: MultiNode, name: str, old_node: str):
     return check
 
 
-def test_spread_puts_every_replica_on_its_own_node_of_its_worker_group(multinode, tiny_pair_dirs, capsys):
+def test_spread_puts_every_replica_on_its_own_node_of_its_worker_group(multinode, tiny_pair_dirs, capsys,
+                                                                       monkeypatch, tmp_path):
+    tokens = tmp_path / "public-tokens"
+    tokens.write_text(PUBLIC_TOKEN + "\n")
+    monkeypatch.setenv(BACKEND_TOKEN_ENV, BACKEND_TOKEN)  # as the KubeRay Job gets it from a Secret
     started = time.monotonic()
     code = main(["up", "--address", multinode.cluster.address, "--namespace", multinode.namespace,
                  "--target", str(tiny_pair_dirs["target"]), "--draft", str(tiny_pair_dirs["draft"]),
                  "--dtype", "float32", "--port", "0", "--target-replicas", "2", "--placement", "spread",
-                 "--target-resource", "disco_target=1", "--draft-resource", "disco_draft=1", "--json"])
+                 "--target-resource", "disco_target=1", "--draft-resource", "disco_draft=1",
+                 "--auth-token-file", str(tokens), "--json"])
     multinode.timings["up_s"] = round(time.monotonic() - started, 1)
     assert code == 0
     multinode.info = json.loads(capsys.readouterr().out)
@@ -168,6 +202,37 @@ def test_spread_puts_every_replica_on_its_own_node_of_its_worker_group(multinode
         assert actors[name]["resources"]["disco_" + name.split("-")[0]] == 1.0
     assert actors["orchestrator"]["node_id"] not in multinode.nodes  # the head node
     assert set(report["placement_group"]["bundle_nodes"].values()) == set(services)
+
+
+def test_every_raylet_is_on_loopback_and_the_backends_answer_only_the_orchestrator(multinode, reference):
+    """Five raylets, the GCS and every service on 127.0.0.1; a replica refuses a caller
+    without the backend token (the public token is not it); neither token shows in Ray's
+    state API (what the dashboard and `ray list actors --detail` show)."""
+    nodes = [node for node in ray.nodes() if node["Alive"]]
+    assert len(nodes) == 5 and {node["NodeManagerAddress"] for node in nodes} == {LOOPBACK}
+    assert multinode.cluster.address.startswith(f"{LOOPBACK}:")
+    listening = _listening([multinode.cluster.head_node, *multinode.nodes.values()])
+    assert len(listening) > 20 and {ip for ip, _ in listening} <= {LOOPBACK, f"::ffff:{LOOPBACK}"}, listening
+    actors = multinode.actors()
+    assert {actor["address"].rsplit(":", 1)[0] for actor in actors.values()} == {LOOPBACK}
+    channel = grpc.insecure_channel(actors["target-0"]["address"])
+    with channel:
+        target = target_pb2_grpc.TargetServiceStub(channel)
+        for metadata in ((), auth_metadata(PUBLIC_TOKEN)):
+            with pytest.raises(grpc.RpcError) as refused:
+                target.Info(common_pb2.ServiceInfoRequest(), metadata=metadata, timeout=30)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        info = target.Info(common_pb2.ServiceInfoRequest(), metadata=auth_metadata(BACKEND_TOKEN), timeout=30)
+        assert info.security == "authenticated (backend token) on loopback"
+    with multinode.client() as client:
+        result = client.generate(PROMPTS[0], policy="static:3", max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    assert result.token_ids == reference(PROMPTS[0], NEW_TOKENS) and result.stats["draft_tokens"] > 0
+    from ray.util.state import list_actors, list_tasks  # noqa: PLC0415
+
+    items = [*list_actors(detail=True), *list_tasks(detail=True)]
+    state = json.dumps([item if isinstance(item, dict) else vars(item) for item in items], default=str)
+    assert "target-0" in state and "serialized_runtime_env" in state
+    assert PUBLIC_TOKEN not in state and BACKEND_TOKEN not in state
 
 
 def test_requests_through_the_orchestrator_equal_target_only(multinode, reference):
@@ -269,13 +334,14 @@ def test_pair_placement_keeps_each_draft_next_to_its_target(multinode, tiny_pair
     down(multinode.cluster.address, multinode.namespace, multinode.home)
     multinode.namespace = f"disco-mn-{uuid.uuid4().hex[:8]}"
     for _ in range(2):  # two nodes that can hold a whole pair
-        node = multinode.cluster.add_node(num_cpus=2, object_store_memory=80 * 2**20)
+        node = multinode.cluster.add_node(num_cpus=2, object_store_memory=80 * 2**20, node_ip_address=LOOPBACK)
         multinode.nodes[node.node_id], multinode.roles[node.node_id] = node, "pair"
     multinode.info = up(UpConfig(
         target=str(tiny_pair_dirs["target"]), draft=str(tiny_pair_dirs["draft"]), dtype="float32",
         address=multinode.cluster.address, namespace=multinode.namespace, port=0, placement="pair",
         target_replicas=2, draft_replicas=2), multinode.home)
     assert multinode.info["placement"] == "STRICT_SPREAD"
+    assert {node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"]} == {LOOPBACK}
     actors = multinode.actors()
     for index in range(2):
         assert actors[f"draft-{index}"]["node_id"] == actors[f"target-{index}"]["node_id"]
@@ -310,3 +376,32 @@ def test_spread_says_what_it_did_when_the_cluster_has_too_few_nodes():
     with pytest.raises(DiscoError, match="as many draft as target replicas"):
         _replicas(UpConfig(placement="pair", target_replicas=2), cluster_has_gpus=False)
     assert _strategy("pack", bundles, []) == ("PACK", "")
+
+
+def test_disco_up_refuses_exposed_backends_before_starting_anything(monkeypatch, tmp_path, capsys):
+    """Replicas that would bind a non-loopback address without TLS client authentication:
+    refused with the backends' message (naming TLS and --insecure) before a Ray head or an
+    actor starts; ``--insecure`` lets them through, loudly."""
+    from deploy import ray_head, ray_launcher  # noqa: PLC0415
+
+    def no_head(*args, **kwargs):
+        raise AssertionError("a Ray head was started")
+
+    monkeypatch.setattr(ray_head, "start_local_head", no_head)
+    monkeypatch.setenv("DISCO_HOME", str(tmp_path))
+    code = main(["up", "--host", "0.0.0.0", "--target", "t", "--draft", "d"])
+    error = capsys.readouterr().err
+    assert code != 0 and "refusing to serve a backend on 0.0.0.0 without TLS" in error
+    assert "--tls-ca" in error and "--insecure" in error
+    with pytest.raises(DiscoError, match="--backend-token-file"):  # nobody would hold the backends' credential
+        up(UpConfig(orchestrator=False, address="127.0.0.1:1"), tmp_path)
+    with pytest.raises(DiscoError, match="must differ"):
+        up(UpConfig(backend_tokens=(PUBLIC_TOKEN,)), tmp_path, (PUBLIC_TOKEN,))
+    # What `up` checks against the nodes' addresses once connected (the node IPs of a real cluster).
+    security = ray_launcher._backend_security(UpConfig(), (), ())
+    assert len(security.tokens) == 1 and len(security.tokens[0]) >= 32  # a fresh token per deployment
+    with pytest.raises(DiscoError, match="10.0.0.7 without TLS"):
+        ray_launcher._check_exposure(security, UpConfig(), ["127.0.0.1", "10.0.0.7"])
+    insecure = ray_launcher._backend_security(UpConfig(insecure=True), (), ())
+    ray_launcher._check_exposure(insecure, UpConfig(insecure=True), ["10.0.0.7"])  # warned, not refused
+    assert "INSECURE" in insecure.statement("10.0.0.7", None)

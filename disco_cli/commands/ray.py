@@ -15,7 +15,8 @@ import os
 import time
 
 from disco.errors import DiscoError
-from disco_cli.commands.common import add_deployment_security_args, add_dtype_arg, add_server_security_args
+from disco_cli.commands.common import (add_deployment_security_args, add_dtype_arg, add_server_security_args,
+                                       public_tokens_from_args)
 from disco_cli.commands.serve import add_http_port_arg, add_overlap_arg, overlap_from_args, parse_bytes
 
 DEFAULT_NAMESPACE = "disco"
@@ -67,7 +68,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_deployment_security_args(
         parser, "security (PEM paths readable on every node; every service gets the same files, as with "
         "`disco serve`)", require_client_cert=True,
-        token_note="; it reaches the orchestrator actor through its runtime environment")
+        token_note="; they reach the orchestrator actor as constructor arguments (docs/deploy.md)")
+    group = parser.add_argument_group("backend credential (docs/security.md)")
+    group.add_argument("--backend-token-file", default=None, metavar="FILE",
+                       help="the draft and target replicas accept FILE's tokens, the orchestrator presents the first "
+                            "(default: $DISCO_BACKEND_TOKEN, else a fresh token per `disco up`); needed with "
+                            "--no-orchestrator unless --tls-ca: give `disco ray-orchestrator` the same file")
+    group.add_argument("--insecure", action="store_true",
+                       help="let the draft and target replicas serve a non-loopback address without TLS client "
+                            "authentication (refused otherwise: give --tls-cert/--tls-key/--tls-ca)")
     _add_namespace_arg(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object {orchestrator, draft, target, ...}")
     parser.set_defaults(func=_run_up)
@@ -118,7 +127,8 @@ def _run_up(args: argparse.Namespace) -> int:
     use_token_auth(generate=args.address is None)  # a head we start always uses token auth
     from deploy.ray_launcher import UpConfig, up  # noqa: PLC0415
     from disco.models.loading import disco_home  # noqa: PLC0415
-    from protos.runtime.tls import TlsFiles, auth_token_from_env  # noqa: PLC0415
+    from protos.runtime.auth import backend_tokens  # noqa: PLC0415
+    from protos.runtime.tls import TlsFiles  # noqa: PLC0415
 
     TlsFiles.from_paths(args.tls_cert, args.tls_key, args.tls_ca)  # unreadable files: refused here, before Ray
     if args.tls_ca and not args.tls_cert:
@@ -139,22 +149,26 @@ def _run_up(args: argparse.Namespace) -> int:
         placement_timeout_s=args.placement_timeout,
         tls_cert=_absolute(args.tls_cert), tls_key=_absolute(args.tls_key), tls_ca=_absolute(args.tls_ca),
         tls_server_name=args.tls_server_name, tls_require_client_cert=args.tls_require_client_cert,
-        metrics=args.metrics, overlap=overlap_from_args(args), http_port=args.http_port)
-    result = up(config, disco_home(), auth_token_from_env(args.auth_token))
-    if args.json:
-        print(json.dumps(result), flush=True)
-    else:
-        print(f"disco is up in Ray namespace {result['namespace']!r} ({result['ray_address']}, "
-              f"placement {result['placement']})")
-        if result.get("placement_note"):
-            print(f"  note: {result['placement_note']}")
-        print(f"  orchestrator  {result['orchestrator'] or '(not started)'}")
-        if result.get("http"):
-            print(f"  http          {result['http']} (OpenAI-compatible API)")
-        for role in ("target", "draft"):
-            print(f"  {role:<12}  {', '.join(result[role])}")
-        print("`disco status` shows the actors, `disco down` stops everything.", flush=True)
+        metrics=args.metrics, overlap=overlap_from_args(args), http_port=args.http_port, insecure=args.insecure,
+        backend_tokens=backend_tokens(args.backend_token_file))
+    result = up(config, disco_home(), public_tokens_from_args(args))
+    print(json.dumps(result) if args.json else up_report(result), flush=True)
     return 0
+
+
+def up_report(result: dict) -> str:
+    """What ``disco up`` prints (without ``--json``)."""
+    lines = [f"disco is up in Ray namespace {result['namespace']!r} ({result['ray_address']}, "
+             f"placement {result['placement']})"]
+    if result.get("placement_note"):
+        lines.append(f"  note: {result['placement_note']}")
+    lines.append(f"  orchestrator  {result['orchestrator'] or '(not started)'}")
+    if result.get("http"):
+        lines.append(f"  http          {result['http']} (OpenAI-compatible API)")
+    for role in ("target", "draft"):
+        lines.append(f"  {role:<12}  {', '.join(result[role])}")
+    lines.append("`disco status` shows the actors, `disco down` stops everything.")
+    return "\n".join(lines)
 
 
 def _resources(items: list[str], role: str) -> dict[str, float]:
@@ -235,16 +249,19 @@ def _run_ray_orchestrator(args: argparse.Namespace) -> int:
     from orchestrator.routing import ReplicaSet  # noqa: PLC0415
     from orchestrator.server import load_tokenizer, serve  # noqa: PLC0415
     from orchestrator.servicer import SERVICE_NAME  # noqa: PLC0415
+    from protos.runtime.auth import backend_tokens  # noqa: PLC0415
     from protos.runtime.server import serve_until_signal  # noqa: PLC0415
-    from protos.runtime.tls import TlsFiles, auth_token_from_env  # noqa: PLC0415
+    from protos.runtime.tls import TlsFiles  # noqa: PLC0415
 
     tls = TlsFiles.from_paths(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
     resolver = RayResolver(args.namespace, args.address)
     tokenizer = load_tokenizer(args.model, disco_home())
-    token = auth_token_from_env(args.auth_token)
+    tokens = public_tokens_from_args(args)
+    backend = backend_tokens(args.backend_token_file)  # the one `disco up` gave the replicas
     running = serve(tokenizer, ReplicaSet("draft", resolver), ReplicaSet("target", resolver),
                     host=args.host, port=args.port, tls=tls, require_client_cert=args.tls_require_client_cert,
-                    auth_token=token, metrics_port=args.metrics_port)
+                    auth_tokens=tokens, backend_token=backend[0] if backend else None,
+                    metrics_port=args.metrics_port)
     gateway = None
     if args.http_port is not None:  # the OpenAI-compatible API, in front of this orchestrator (docs/http.md)
         from orchestrator.http.config import HttpConfig, local_address  # noqa: PLC0415
@@ -252,7 +269,7 @@ def _run_ray_orchestrator(args: argparse.Namespace) -> int:
 
         gateway = start_in_thread(HttpConfig.fronting(
             local_address(args.host, running.port), args.host, args.http_port, tls_cert=args.tls_cert,
-            tls_key=args.tls_key, tls_ca=args.tls_ca, tls_server_name=args.tls_server_name, auth_token=token))
+            tls_key=args.tls_key, tls_ca=args.tls_ca, tls_server_name=args.tls_server_name, auth_tokens=tokens))
     # Readiness: the service is NOT_SERVING until Ray is reachable; the server's overall
     # health ("") stays SERVING (liveness).
     running.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)

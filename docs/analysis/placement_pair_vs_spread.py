@@ -18,9 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from deploy.ray_head import use_token_auth
+from deploy.ray_head import use_loopback, use_token_auth
 
 use_token_auth(generate=True)
+use_loopback()  # every node on 127.0.0.1: the backends may then serve without TLS
 
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -39,9 +40,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": 80 * 2**20})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": 80 * 2**20,
+                                                            "node_ip_address": "127.0.0.1"})
     for _ in range(2):
-        cluster.add_node(num_cpus=2, object_store_memory=80 * 2**20)
+        cluster.add_node(num_cpus=2, object_store_memory=80 * 2**20, node_ip_address="127.0.0.1")
     cluster.wait_for_nodes()
     home = Path(tempfile.mkdtemp(prefix="placement_"))
     rows = []
