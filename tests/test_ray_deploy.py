@@ -13,7 +13,9 @@ one takes it down.
 """
 
 import json
+import os
 import re
+import signal
 import urllib.error
 import urllib.request
 import uuid
@@ -294,13 +296,14 @@ def test_concurrent_sessions_spread_over_both_target_replicas(deployment, refere
 
 
 def kill_mid_generation(deployment: Deployment, name_of, prompt: str):
-    """Stream a long request, kill an actor after the first chunk, return the result."""
+    """Stream a long request, SIGKILL an actor's process after the first chunk (a crash, not
+    a Ray-initiated stop), return the result."""
     with deployment.client() as client:
         stream = client.stream(prompt, policy="static:1", max_new_tokens=LONG_TOKENS, ignore_eos=True)
         chunks = iter(stream)
         first = next(chunks)
         name = name_of()
-        ray.kill(deployment.actor(name), no_restart=False)
+        os.kill(deployment.pids[name], signal.SIGKILL)
         rest = [chunk for chunk in chunks]
     tokens = first.token_ids + [t for chunk in rest for t in chunk.token_ids]
     assert tokens == stream.result.token_ids
