@@ -58,6 +58,8 @@ class ServiceOptions:
     log_format: str = "text"
     artifact_dirs: tuple[str, ...] = ()  # the draft's --artifact-dir folders (default: its own)
     max_kv_bytes: int = 0  # the draft's and the target's --max-kv-bytes (0: each derives its own)
+    max_new_tokens_limit: int | None = None  # the orchestrator's --max-new-tokens-limit (None: its default)
+    max_sessions: int | None = None  # the orchestrator's --max-sessions (None: its default)
 
     def args(self, role: str) -> list[str]:
         argv = [flag for flag, value in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key),
@@ -69,6 +71,10 @@ class ServiceOptions:
             argv += ["--metrics-port", str(self.metrics_port + offset)]
         if self.auth_token_file and role == "orchestrator":
             argv += ["--auth-token-file", str(self.auth_token_file)]
+        if role == "orchestrator" and self.max_new_tokens_limit is not None:
+            argv += ["--max-new-tokens-limit", str(self.max_new_tokens_limit)]
+        if role == "orchestrator" and self.max_sessions is not None:
+            argv += ["--max-sessions", str(self.max_sessions)]
         if self.max_prompt_tokens and role == "orchestrator":
             argv += ["--max-prompt-tokens", str(self.max_prompt_tokens)]
         if self.max_kv_bytes and role in ("draft", "target"):

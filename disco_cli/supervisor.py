@@ -115,6 +115,10 @@ class Supervisor:
         """Services waiting for their restart or restarted and not serving yet."""
         return set(self._due) | {name for name, thread in self._starting.items() if thread.is_alive()}
 
+    def close(self) -> None:
+        """Drop the restarts still waiting out their backoff (``disco serve`` is stopping)."""
+        self._due.clear()
+
     def wait(self, timeout_s: float | None = None) -> None:
         """Wait for the restarted children to serve (tests)."""
         for thread in list(self._starting.values()):

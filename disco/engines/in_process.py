@@ -40,7 +40,7 @@ def make_decode(tokenizer: PreTrainedTokenizerBase) -> Decode:
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, chat: bool) -> list[int]:
     """Token ids of a raw completion prompt, or of a one-message chat with the
     tokenizer's chat template and the assistant turn opened (``--chat``)."""
-    if not prompt or not prompt.strip():
+    if not prompt:
         raise InvalidRequest("prompt is empty")
     if chat:
         return encode_chat(tokenizer, [{"role": "user", "content": prompt}],
@@ -58,7 +58,7 @@ def encode_messages(tokenizer: PreTrainedTokenizerBase, messages: Sequence[tuple
     for index, (role, _) in enumerate(messages):
         if role not in CHAT_ROLES:
             raise InvalidRequest(f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
-    if not any(content.strip() for _, content in messages):
+    if not any(content for _, content in messages):
         raise InvalidRequest("prompt is empty: every message's content is empty")
     if messages[-1][0] != "user":
         raise InvalidRequest(f"the last message must have role 'user', got {messages[-1][0]!r}")

@@ -45,8 +45,6 @@ def add_http_listen_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--https-key", default=None, metavar="PEM", help="private key of --https-cert")
     parser.add_argument("--served-model-name", default=None, metavar="NAME",
                         help="model name of /v1/models and of responses (default: the target model's name)")
-    parser.add_argument("--timeout", type=float, default=None, metavar="S",
-                        help="deadline of each gRPC call in seconds (default 300)")
     parser.add_argument("--access-log", action="store_true", help="log one line per HTTP request")
     parser.add_argument("--max-body-bytes", type=int, default=config.DEFAULT_MAX_BODY_BYTES, metavar="N",
                         help=f"largest request body; a larger one gets 413 (default {config.DEFAULT_MAX_BODY_BYTES})")
@@ -59,19 +57,46 @@ def add_http_listen_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--body-timeout", type=float, default=config.DEFAULT_BODY_TIMEOUT_S, metavar="S",
                         help="answer 408 when a request body stalls S seconds "
                              f"(default {config.DEFAULT_BODY_TIMEOUT_S:g})")
+    add_http_limit_args(parser, timeout_alias="--timeout")  # NOTE: the old name of --request-timeout
+
+
+def add_http_limit_args(parser: argparse.ArgumentParser, whose: str = "", timeout_alias: str | None = None) -> None:
+    """The gateway's request limits (``disco http`` and ``disco serve --http-port``); read
+    them with :func:`http_limits_from_args`."""
+    from orchestrator.http import config  # noqa: PLC0415 - imports no web stack
+
+    parser.add_argument("--max-tokens-limit", type=int, default=config.DEFAULT_MAX_TOKENS_LIMIT, metavar="N",
+                        help=f"largest max_tokens an HTTP request may ask for{whose}; more gets 400 (default "
+                             f"{config.DEFAULT_MAX_TOKENS_LIMIT}, the orchestrator's --max-new-tokens-limit)")
+    parser.add_argument("--max-concurrent", type=int, default=config.DEFAULT_MAX_CONCURRENT, metavar="N",
+                        help=f"HTTP generation requests served at once{whose}; the next ones wait in the queue "
+                             f"(default {config.DEFAULT_MAX_CONCURRENT}, the orchestrator's --max-sessions)")
+    parser.add_argument("--max-queue", type=int, default=None, metavar="N",
+                        help=f"HTTP requests that may wait for a slot{whose}, each up to its deadline; one more "
+                             f"gets 429 (default {config.DEFAULT_QUEUE_PER_SLOT} x --max-concurrent; 0: no queue)")
+    parser.add_argument("--request-timeout", *([timeout_alias] if timeout_alias else []), dest="request_timeout",
+                        type=float, default=config.DEFAULT_REQUEST_TIMEOUT_S, metavar="S",
+                        help=f"deadline of an HTTP request from its arrival{whose}, its wait in the queue included; "
+                             f"past it the answer is 504 (default {config.DEFAULT_REQUEST_TIMEOUT_S:g})")
+
+
+def http_limits_from_args(args: argparse.Namespace) -> dict:
+    """The :class:`~orchestrator.http.config.HttpConfig` fields of :func:`add_http_limit_args`."""
+    return {"max_tokens_limit": args.max_tokens_limit, "max_concurrent": args.max_concurrent,
+            "max_queue": args.max_queue, "timeout_s": args.request_timeout}
 
 
 def run(args: argparse.Namespace) -> int:
     from orchestrator.http.config import HttpConfig  # noqa: PLC0415 - the web stack only when used
     from orchestrator.http.server import start_in_thread  # noqa: PLC0415
 
-    options = {"timeout_s": args.timeout} if args.timeout is not None else {}
     config = HttpConfig(args.server, host=args.host, port=args.port, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
                         tls_key=args.tls_key, tls_server_name=args.tls_server_name,
                         auth_tokens=public_tokens_from_args(args), https_cert=args.https_cert,
                         https_key=args.https_key, model_name=args.served_model_name, access_log=args.access_log,
                         max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout,
-                        keep_alive_timeout_s=args.keep_alive_timeout, body_timeout_s=args.body_timeout, **options)
+                        keep_alive_timeout_s=args.keep_alive_timeout, body_timeout_s=args.body_timeout,
+                        **http_limits_from_args(args))
     running = start_in_thread(config)
     warn_if_exposed(args.host, config.https, config.auth_tokens)
     if args.json:

@@ -32,6 +32,7 @@ from disco_cli.commands.common import (
     pair_config_from_args,
     public_tokens_from_args,
 )
+from disco_cli.commands.http import add_http_limit_args, http_limits_from_args
 from orchestrator.http import DEFAULT_HTTP_PORT
 
 PORTS = {"orchestrator": 50051, "draft": 50052, "target": 50053}
@@ -97,6 +98,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_artifact_dir_arg(parser)
     add_overlap_arg(parser, "of the draft service")
     add_http_port_arg(parser)
+    add_http_limit_args(parser, " (with --http-port)")
     parser.add_argument("--max-restarts", type=int, default=RESTARTS_PER_WINDOW, metavar="N",
                         help=f"restarts of one service allowed per {RESTART_WINDOW_S:.0f} s; one more exit stops "
                              f"everything (default {RESTARTS_PER_WINDOW}; a service that exits is restarted on its "
@@ -273,7 +275,8 @@ def _run_serve(args: argparse.Namespace) -> int:
                              auth_token=None if args.auth_token_file else next(iter(tokens), None),
                              auth_token_file=args.auth_token_file, metrics_port=args.metrics_port, max_prompt_tokens=args.max_prompt_tokens,
                              log_format=args.log_format, artifact_dirs=tuple(args.artifact_dir or ()),
-                             max_kv_bytes=args.max_kv_bytes)
+                             max_kv_bytes=args.max_kv_bytes, max_new_tokens_limit=args.max_tokens_limit,
+                             max_sessions=args.max_concurrent)
     services = launch(pair_config_from_args(args), host=args.host, port=args.port, threads=args.threads,
                       options=options, overlap=overlap_from_args(args))
     gateway = supervisor = None
@@ -310,14 +313,18 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 def _start_http(args: argparse.Namespace, orchestrator: str, tokens: tuple[str, ...]):
     """The HTTP gateway in front of ``orchestrator``, in a thread of this process (HTTPS
-    with the deployment's certificate, when it has one); it accepts every public token."""
+    with the deployment's certificate, when it has one, and the HTTP limits of the command
+    line); it accepts every public token."""
+    from dataclasses import replace  # noqa: PLC0415
+
     from disco_cli.commands.http import warn_if_exposed  # noqa: PLC0415 - the web stack only when used
     from orchestrator.http.config import HttpConfig  # noqa: PLC0415
     from orchestrator.http.server import start_in_thread  # noqa: PLC0415
 
-    config = HttpConfig.fronting(orchestrator, args.host, args.http_port, tls_cert=args.tls_cert,
-                                 tls_key=args.tls_key, tls_ca=args.tls_ca, tls_server_name=args.tls_server_name,
-                                 auth_tokens=tokens)
+    config = replace(HttpConfig.fronting(orchestrator, args.host, args.http_port, tls_cert=args.tls_cert,
+                                         tls_key=args.tls_key, tls_ca=args.tls_ca,
+                                         tls_server_name=args.tls_server_name, auth_tokens=tokens),
+                     **http_limits_from_args(args))
     gateway = start_in_thread(config)
     warn_if_exposed(args.host, config.https, tokens)
     return gateway

@@ -25,6 +25,15 @@ DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0
 #: Longest wait for the next piece of a request body (nginx's ``client_body_timeout`` is 60 s).
 DEFAULT_BODY_TIMEOUT_S = 30.0
+#: Largest ``max_tokens`` a request may ask for (NOTE: the orchestrator's own default limit,
+#: ``OrchestratorLimits.max_new_tokens``; a gateway above its orchestrator's limit gets 400s from it).
+DEFAULT_MAX_TOKENS_LIMIT = 4096
+#: Generation requests served at once (NOTE: the orchestrator's default ``--max-sessions``).
+DEFAULT_MAX_CONCURRENT = 64
+#: Waiting requests per running one, by default: ``--max-queue`` is this times ``--max-concurrent``.
+DEFAULT_QUEUE_PER_SLOT = 2
+#: Deadline of a request, from its arrival (the queue wait included) to its last byte.
+DEFAULT_REQUEST_TIMEOUT_S = DEFAULT_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -41,7 +50,9 @@ class HttpConfig:
             <token>`` with one of them (each compared in constant time), and the first is sent
             on to the orchestrator (which accepts the same list); empty: no check, no token sent.
         https_cert, https_key: serve HTTPS with this certificate chain and key (plain HTTP without).
-        timeout_s: deadline of each gRPC call (``None``: none).
+        timeout_s: deadline of each request, from its arrival (its wait in the queue
+            included) to the end of its answer, and of each gRPC call (``None``: none);
+            past it the answer is 504 ``deadline_exceeded``.
         model_name: the model name of ``/v1/models`` and of responses to requests that
             name none (default: the target model's name, from the orchestrator's ``Info``).
         access_log: log one line per request (uvicorn's access log).
@@ -51,6 +62,12 @@ class HttpConfig:
             it opened (or after its previous response) is closed (slowloris guard).
         keep_alive_timeout_s: an idle keep-alive connection is closed after this long.
         body_timeout_s: a request whose body stalls this long between two reads is answered 408.
+        max_tokens_limit: largest ``max_tokens`` (``max_completion_tokens``) a request may ask
+            for; more is a 400 naming the field. Defaults are capped to it.
+        max_concurrent: generation requests served at once; the next ones wait in the queue.
+        max_queue: generation requests that may wait for a slot (first come, first served,
+            each up to its deadline); one more is answered 429 at once. ``None``:
+            :data:`DEFAULT_QUEUE_PER_SLOT` times ``max_concurrent``; 0: no queue.
     """
 
     server: str
@@ -63,13 +80,16 @@ class HttpConfig:
     auth_tokens: tuple[str, ...] = ()
     https_cert: str | None = None
     https_key: str | None = None
-    timeout_s: float | None = DEFAULT_TIMEOUT_S
+    timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S
     model_name: str | None = None
     access_log: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT
+    max_concurrent: int = DEFAULT_MAX_CONCURRENT
+    max_queue: int | None = None
 
     def __post_init__(self) -> None:
         # NOTE: a lone string would otherwise become a tuple of one-character keys.
@@ -99,20 +119,31 @@ class HttpConfig:
     def https(self) -> bool:
         return self.https_cert is not None
 
+    @property
+    def queue_limit(self) -> int:
+        """Requests that may wait for a slot (``max_queue``, or its default)."""
+        return DEFAULT_QUEUE_PER_SLOT * self.max_concurrent if self.max_queue is None else self.max_queue
+
     def validate(self) -> None:
         """Check the settings and read the TLS files once.
 
         Raises:
             DiscoError: a file is unreadable, a certificate comes without its key, the port is
-                out of range, a key is empty or holds whitespace, or a limit is not positive.
+                out of range, a key is empty or holds whitespace, or a limit is not positive
+                (``max_queue``: negative).
         """
         if not 0 <= self.port <= 65535:
             raise DiscoError(f"--http-port must be in [0, 65535], got {self.port}")
         if any(not token or any(char.isspace() for char in token) for token in self.auth_tokens):
             raise DiscoError("an API key of the HTTP gateway is empty or contains whitespace")
-        for name in ("max_body_bytes", "header_timeout_s", "keep_alive_timeout_s", "body_timeout_s"):
+        for name in ("max_body_bytes", "header_timeout_s", "keep_alive_timeout_s", "body_timeout_s",
+                     "max_tokens_limit", "max_concurrent"):
             if not getattr(self, name) > 0:
                 raise DiscoError(f"the HTTP gateway's {name} must be positive, got {getattr(self, name)}")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise DiscoError(f"the HTTP gateway's request timeout must be positive, got {self.timeout_s}")
+        if self.max_queue is not None and self.max_queue < 0:
+            raise DiscoError(f"the HTTP gateway's max_queue must be >= 0, got {self.max_queue}")
         if (self.https_cert is None) != (self.https_key is None):
             raise DiscoError("the HTTPS certificate and key go together")
         client_tls(self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name)

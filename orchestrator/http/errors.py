@@ -57,17 +57,22 @@ class ApiError(Exception):
         param: the request field at fault, if one is.
         code: a short machine-readable code (the gRPC status name, lower case, for
             errors of the orchestrator).
+        error_type: the ``type``, where it is not the status's (:data:`ERROR_TYPES`).
     """
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 error_type: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self._type = error_type
 
     @property
     def type(self) -> str:
+        if self._type is not None:
+            return self._type
         return ERROR_TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
 
     def body(self) -> dict[str, Any]:
@@ -78,6 +83,23 @@ class ApiError(Exception):
 def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     """A 400 ``invalid_request_error``."""
     return ApiError(400, message, param, code)
+
+
+def route_error(status: int, method: str, path: str, allowed: str = "") -> ApiError:
+    """The 404 of an unknown URL and the 405 of a method a route does not take, in OpenAI's
+    words (``Invalid URL (POST /v1/foo)``), typed ``invalid_request_error`` as OpenAI's are."""
+    if status == 405:
+        message = f"Invalid method for URL ({method} {path})" + (f"; allowed: {allowed}" if allowed else "")
+        return ApiError(405, message, code="method_not_allowed", error_type="invalid_request_error")
+    if status == 404:
+        return ApiError(404, f"Invalid URL ({method} {path})", code="not_found", error_type="invalid_request_error")
+    return ApiError(status, f"{method} {path}: HTTP {status}")
+
+
+def deadline_exceeded(timeout_s: float | None) -> ApiError:
+    """The 504 of a request past its deadline (in the queue, or generating)."""
+    return ApiError(504, f"the request did not finish within its deadline of {timeout_s:g} s",
+                    code="deadline_exceeded")
 
 
 def from_rpc_error(error: grpc.RpcError, prompt_param: str = "prompt") -> ApiError:

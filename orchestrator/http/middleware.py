@@ -1,9 +1,11 @@
 """ASGI middleware of the gateway: the request counters, the bearer token check and the
 body limit, in that order from the outside in (see :func:`orchestrator.http.app.create_app`),
-so that a refused request costs no body read and no parsing.
+so that a refused request costs no body read and no parsing; and the admission of
+generation requests (:class:`Admission`: a bounded queue before 429), which the routes
+apply once a request's body is valid.
 
-Each wraps the app the ASGI way (``scope``/``receive``/``send``); none parses HTTP:
-uvicorn does, Starlette's :class:`~starlette.datastructures.Headers` reads the header.
+Each middleware wraps the app the ASGI way (``scope``/``receive``/``send``); none parses
+HTTP: uvicorn does, Starlette's :class:`~starlette.datastructures.Headers` reads the header.
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -35,6 +37,69 @@ class HttpMetrics:
         self.latency = Histogram("disco_http_request_duration_seconds",
                                  "Time to the end of the HTTP response (streams: the whole stream)",
                                  ["route"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.running = Gauge("disco_http_running_requests", "Generation requests holding a slot",
+                             registry=self.registry)
+        self.waiting = Gauge("disco_http_waiting_requests", "Generation requests waiting in the queue for a slot",
+                             registry=self.registry)
+
+    def track_admission(self, admission: "Admission") -> None:
+        self.running.set_function(lambda: admission.running)
+        self.waiting.set_function(lambda: admission.waiting)
+
+
+class Slot:
+    """One admitted request's place; :meth:`release` gives it back (once, however often called)."""
+
+    def __init__(self, release: Callable[[], None]) -> None:
+        self._release: Callable[[], None] | None = release
+
+    def release(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+
+class Admission:
+    """At most ``max_concurrent`` generation requests at once; up to ``max_queue`` more wait
+    for a slot, first come first served; one more is refused with 429 at once.
+
+    A waiting request leaves the queue when its deadline passes or its client goes away
+    (the caller cancels the wait, see ``orchestrator.http.app``). Use it from one event loop.
+    """
+
+    def __init__(self, max_concurrent: int, max_queue: int) -> None:
+        self.max_concurrent = max_concurrent
+        self.max_queue = max_queue
+        self.running = 0
+        self.waiting = 0
+        self._slots = asyncio.Semaphore(max_concurrent)
+
+    def wait(self) -> asyncio.Future[Slot]:
+        """A slot, at once or after a wait in the queue (cancel the future to leave the queue).
+
+        Raises:
+            ApiError: 429 ``too_many_requests`` (at once, not when awaited) when every slot is
+                taken and the queue is full.
+        """
+        if self._slots.locked() and self.waiting >= self.max_queue:
+            raise ApiError(429, f"too many requests: {self.running} running and {self.waiting} waiting (the "
+                                "limits of this server); retry later", code="too_many_requests")
+        self.waiting += 1  # counted at once, so that the next request sees it
+        task = asyncio.ensure_future(self._acquire())
+        task.add_done_callback(self._left_queue)  # acquired, or cancelled (even before it started)
+        return task
+
+    def _left_queue(self, _: asyncio.Future) -> None:
+        self.waiting -= 1
+
+    async def _acquire(self) -> Slot:
+        await self._slots.acquire()
+        self.running += 1
+        return Slot(self._release)
+
+    def _release(self) -> None:
+        self.running -= 1
+        self._slots.release()
 
 
 class MetricsMiddleware:

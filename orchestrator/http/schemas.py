@@ -1,79 +1,180 @@
 """Request bodies of the OpenAI-compatible routes, and their mapping to one gRPC
 ``GenerateRequest`` (the keyword arguments of :func:`orchestrator.client.build_request`).
 
-Fields follow the OpenAI API; ``policy``, ``max_lookahead``, ``top_k`` and ``ignore_eos``
-are extra body fields (as vLLM takes extra sampling fields). OpenAI fields this server
-does not implement are accepted only at their neutral value, so that a client never gets
-silently different behaviour; unknown fields are ignored.
+No field is ever ignored silently. Every field of OpenAI's and vLLM's completions and chat
+completions requests is declared here, as one of three kinds (docs/http.md has the table):
+
+* **applied**: mapped onto the gRPC request (``prompt``, ``max_tokens``, ``temperature``,
+  ...; ``policy``, ``max_lookahead``, ``top_k`` and ``ignore_eos`` are extra body fields,
+  as vLLM takes extra sampling fields);
+* **no effect by definition**: accepted with any value because it cannot change the output
+  (``user``, ``metadata``, ``cache_salt``, ...);
+* **not supported yet** (:attr:`Strict.NOT_YET`): accepted only at its neutral value, the
+  one that changes nothing (``presence_penalty: 0``, ``n: 1``, ``logprobs: null``, ...);
+  any other value is a 400 naming the field.
+
+A field that is in neither API is a 400 naming it (``extra="forbid"``), as OpenAI answers
+an unrecognized argument.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from disco.config import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from disco.config import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
 from disco.speculation.policies.spec import MAX_POLICY_SPEC_CHARS
 
-#: OpenAI's default ``max_tokens`` of a text completion (a chat's default is the server's).
+#: OpenAI's default ``max_tokens`` of a text completion (also when it is sent as ``null``).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-#: OpenAI fields not implemented, accepted only at their neutral value: why each is refused.
-UNSUPPORTED = {
-    "presence_penalty": "penalties are not supported (they would change the target's distribution)",
-    "frequency_penalty": "penalties are not supported (they would change the target's distribution)",
-    "logit_bias": "logit_bias is not supported",
-    "echo": "echo is not supported",
-    "suffix": "suffix is not supported",
-    "logprobs": "logprobs are not supported",
-    "tools": "tools are not supported",
-}
+#: The default ``max_tokens`` of a chat completion: the server's (``SamplingParams``).
+CHAT_DEFAULT_MAX_TOKENS = SamplingParams.max_new_tokens
+#: ``request_id``: becomes the response's ``id`` and appears in the log, so it is kept short and plain.
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+#: The message of a field that is in neither OpenAI's nor vLLM's API (OpenAI's wording).
+UNRECOGNIZED = "Unrecognized request argument supplied: {name}"
 
 
 def _refuse(message: str) -> PydanticCustomError:
     return PydanticCustomError("invalid_value", message)
 
 
-class StreamOptions(BaseModel):
+def _render(values: tuple[Any, ...]) -> str:
+    return " or ".join(json.dumps(value) for value in values)
+
+
+class Strict(BaseModel):
+    """A request object: unknown fields are refused, and the fields this server does not
+    implement yet (:attr:`NOT_YET`: field -> its neutral values) are refused unless they
+    hold a neutral value (checked only for the fields the client sent)."""
+
+    model_config = ConfigDict(extra="forbid")
+    NOT_YET: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    @field_validator("*")
+    @classmethod
+    def _neutral_unless_supported(cls, value: Any, info: ValidationInfo) -> Any:
+        neutral = cls.NOT_YET.get(info.field_name or "")
+        if neutral is not None and value not in neutral:
+            raise _refuse(f"not supported yet; accepted only at its neutral value {_render(neutral)}, "
+                          "which changes nothing")
+        return value
+
+
+class StreamOptions(Strict):
     """``stream_options``: ``include_usage`` adds a last chunk with the usage."""
 
-    model_config = ConfigDict(extra="ignore")
+    NOT_YET = {"continuous_usage_stats": (None, False)}
 
-    include_usage: bool = False
+    include_usage: bool | None = False
+    include_obfuscation: bool | None = None  # no effect: padding against a side channel, not output
+    continuous_usage_stats: bool | None = None  # vLLM: usage in every chunk
 
 
-class GenerationRequest(BaseModel):
+#: Neutral values of the sampling and output fields both routes share (vLLM's names).
+SHARED_NOT_YET: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "frequency_penalty": (None, 0.0),
+    "presence_penalty": (None, 0.0),
+    "repetition_penalty": (None, 1.0),
+    "logit_bias": (None, {}),
+    "min_p": (None, 0.0),
+    "min_tokens": (None, 0),
+    "stop_token_ids": (None, []),
+    "include_stop_str_in_output": (None, False),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "truncate_prompt_tokens": (None,),
+    "prompt_logprobs": (None,),
+    "echo": (None, False),
+    "response_format": (None, {"type": "text"}),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
+    "structural_tag": (None,),
+    "structured_outputs": (None,),
+    "logits_processors": (None, []),
+    "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False),
+    "priority": (None, 0),
+    "kv_transfer_params": (None,),
+    "vllm_xargs": (None, {}),
+    "mm_processor_kwargs": (None, {}),
+}
+
+
+class GenerationRequest(Strict):
     """The fields completions and chat completions share."""
 
-    model_config = ConfigDict(extra="ignore")
+    NOT_YET = SHARED_NOT_YET
 
+    # Applied.
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    # Extra fields of this server.
+    request_id: str | None = Field(default=None, pattern=REQUEST_ID_PATTERN,
+                                   description="the response's id is `cmpl-`/`chatcmpl-` and this")
+    # Applied, extra fields of this server (as vLLM takes extra sampling fields).
     policy: str = Field(default="", max_length=MAX_POLICY_SPEC_CHARS,
                         description="speculation stop policy spec (`disco policies`); empty: the server's default")
     max_lookahead: int | None = Field(default=None, ge=1)
-    top_k: int | None = Field(default=None, ge=0)
-    ignore_eos: bool = False
-    # OpenAI fields not implemented: only their neutral value is accepted.
-    presence_penalty: float | None = None
+    top_k: int | None = Field(default=None, ge=-1, description="0 or -1: off (vLLM's -1 is 0 on the gRPC side)")
+    ignore_eos: bool | None = False
+    # No effect on the output, by definition: accepted with any value.
+    user: str | None = None
+    cache_salt: str | None = None  # vLLM: salts its prefix cache; disco shares no cache between requests
+    # Not supported yet (NOT_YET): only their neutral value is accepted.
+    n: int | None = None
+    best_of: int | None = None
     frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, n: int | None) -> int | None:
-        if n not in (None, 1):
-            raise _refuse(f"only n=1 is supported (one generation per request), got n={n}")
-        return n
+    min_p: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
+    echo: bool | None = None
+    response_format: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    structural_tag: Any = None
+    structured_outputs: Any = None
+    logits_processors: Any = None
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    priority: int | None = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    mm_processor_kwargs: Any = None
 
     @field_validator("stop")
     @classmethod
@@ -91,16 +192,6 @@ class GenerationRequest(BaseModel):
                               f"stop[{index}] has {len(text)}")
         return stop
 
-    @field_validator("*")
-    @classmethod
-    def _neutral_unless_supported(cls, value: Any, info: ValidationInfo) -> Any:
-        """OpenAI fields this server does not implement (:data:`UNSUPPORTED`) are refused
-        unless they hold their neutral value (absent, 0, false, empty)."""
-        reason = UNSUPPORTED.get(info.field_name or "")
-        if reason is not None and value:
-            raise _refuse(reason)
-        return value
-
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "GenerationRequest":
         if self.stream_options is not None and not self.stream:
@@ -111,7 +202,16 @@ class GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def sampling_kwargs(self, max_tokens: int | None) -> dict[str, Any]:
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """The ``max_tokens`` the client asked for (``None``: none, or ``null``) and the
+        field that holds it."""
+        return self.max_tokens, "max_tokens"
+
+    def default_max_tokens(self) -> int:
+        """``max_tokens`` when the request gives none."""
+        raise NotImplementedError
+
+    def sampling_kwargs(self, max_tokens: int) -> dict[str, Any]:
         """The :func:`~orchestrator.client.build_request` arguments besides the prompt
         (``None``/empty: the server's default)."""
         return {
@@ -120,75 +220,93 @@ class GenerationRequest(BaseModel):
             "max_new_tokens": max_tokens,
             "temperature": self.temperature or 0.0,
             "top_p": self.top_p,
-            "top_k": self.top_k or 0,
+            "top_k": max(self.top_k or 0, 0),  # vLLM's "off" (-1) is 0 on the gRPC side
             "seed": self.seed,
             "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or ()),
-            "ignore_eos": self.ignore_eos,
+            "ignore_eos": bool(self.ignore_eos),
         }
 
 
 class CompletionRequest(GenerationRequest):
     """``POST /v1/completions``: a raw prompt, as text or token ids (one prompt only)."""
 
+    NOT_YET = {**SHARED_NOT_YET, "logprobs": (None,), "suffix": (None, ""), "prompt_embeds": (None,),
+               "add_special_tokens": (None, True)}
+
     prompt: Any = Field(description="a string, a list with one string, token ids, or a list with one list "
                                     "of token ids")
-    max_tokens: int | None = Field(default=COMPLETIONS_DEFAULT_MAX_TOKENS, ge=1)
-    echo: bool | None = False
-    suffix: str | None = None
-    best_of: int | None = None
     logprobs: int | None = None
+    suffix: str | None = None
+    prompt_embeds: Any = None
+    add_special_tokens: bool | None = None
 
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, prompt: Any) -> str | list[int]:
+        """One prompt; only a truly empty one is refused (whitespace is a prompt: it has tokens)."""
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            if not prompt.strip():
+            if not prompt:
                 raise _refuse("prompt is empty")
             return prompt
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                        for t in prompt):
             return prompt
         if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-            raise _refuse(f"only one prompt per request is supported, got {len(prompt)}")
+            raise _refuse(f"only one prompt per request is supported yet, got {len(prompt)}")
         raise _refuse("prompt must be a non-empty string or a non-empty list of token ids")
 
-    @field_validator("best_of")
-    @classmethod
-    def _one_candidate(cls, best_of: int | None) -> int | None:
-        if best_of not in (None, 1):
-            raise _refuse("only best_of=1 is supported")
-        return best_of
+    def default_max_tokens(self) -> int:
+        return COMPLETIONS_DEFAULT_MAX_TOKENS
 
-    def generate_kwargs(self) -> dict[str, Any]:
+    def generate_kwargs(self, max_tokens: int) -> dict[str, Any]:
         """The keyword arguments of :func:`~orchestrator.client.build_request`."""
         prompt = self.prompt
         text, ids = (prompt, None) if isinstance(prompt, str) else ("", prompt)
-        return {"prompt": text, "prompt_ids": ids, "chat": False, **self.sampling_kwargs(self.max_tokens)}
+        return {"prompt": text, "prompt_ids": ids, "chat": False, **self.sampling_kwargs(max_tokens)}
 
 
-class ContentPart(BaseModel):
-    """One part of a message's content; only ``text`` parts are supported."""
-
-    model_config = ConfigDict(extra="ignore")
+class ContentPart(Strict):
+    """One part of a message's content; only ``text`` parts are supported yet."""
 
     type: str
     text: str | None = None
+    # The other parts' payloads (OpenAI's, then vLLM's): refused with their `type`.
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
+    refusal: Any = None
+    audio_url: Any = None
+    video_url: Any = None
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, kind: str) -> str:
+        if kind != "text":
+            raise _refuse(f"not supported yet: content parts of type {kind!r} (only 'text' parts are)")
+        return kind
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatMessage(Strict):
+    """One message of a conversation (OpenAI's fields; tool calls are not supported yet)."""
+
+    NOT_YET = {"name": (None,), "tool_calls": (None, []), "tool_call_id": (None,), "function_call": (None,),
+               "audio": (None,), "refusal": (None,)}
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    function_call: Any = None
+    audio: Any = None
+    refusal: str | None = None
 
     def text(self) -> str:
         """The content as one string (text parts concatenated)."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        if any(part.type != "text" for part in self.content):
-            raise _refuse("only text content parts are supported")
         return "".join(part.text or "" for part in self.content)
 
 
@@ -202,11 +320,44 @@ class ChatCompletionRequest(GenerationRequest):
     template (``GenerateRequest.messages``). Tool and function messages are refused.
     """
 
+    NOT_YET = {**SHARED_NOT_YET, "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
+               "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+               "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+               "reasoning_effort": (None,), "verbosity": (None,), "web_search_options": (None,),
+               "service_tier": (None, "auto", "default"), "store": (None, False),
+               "add_generation_prompt": (None, True), "continue_final_message": (None, False),
+               "add_special_tokens": (None, False), "documents": (None,), "chat_template": (None,),
+               "chat_template_kwargs": (None, {}), "include_reasoning": (None, True)}
+
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    # No effect on the output, by definition: accepted with any value.
+    metadata: dict[str, str] | None = None  # tags of a stored completion (nothing is stored)
+    parallel_tool_calls: bool | None = None  # no tools (refused), so no tool calls at all
+    prompt_cache_key: str | None = None  # OpenAI's cache routing hint
+    safety_identifier: str | None = None  # an end-user id, like `user`
+    # Not supported yet (NOT_YET): only their neutral value is accepted.
     logprobs: bool | None = None
+    top_logprobs: int | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: Any = None
+    service_tier: str | None = None
+    store: bool | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    add_special_tokens: bool | None = None
+    documents: Any = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool | None = None
 
     @field_validator("messages")
     @classmethod
@@ -215,39 +366,43 @@ class ChatCompletionRequest(GenerationRequest):
             raise _refuse("messages is empty")
         for index, message in enumerate(messages):
             if message.role in ("tool", "function"):
-                raise _refuse(f"messages[{index}]: role {message.role!r} is not supported (no tool calling)")
+                raise _refuse(f"messages[{index}]: role {message.role!r} is not supported yet (no tool calling)")
         if messages[-1].role != "user":
             raise _refuse(f"the last message must have role 'user', got {messages[-1].role!r}")
-        if not any(message.text().strip() for message in messages):
+        if not any(message.text() for message in messages):
             raise _refuse("every message is empty")
         return messages
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, response_format: dict | None) -> dict | None:
-        if response_format and response_format.get("type", "text") != "text":
-            raise _refuse("only response_format {\"type\": \"text\"} is supported")
-        return response_format
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
 
-    def generate_kwargs(self) -> dict[str, Any]:
+    def default_max_tokens(self) -> int:
+        return CHAT_DEFAULT_MAX_TOKENS
+
+    def generate_kwargs(self, max_tokens: int) -> dict[str, Any]:
         """The keyword arguments of :func:`~orchestrator.client.build_request`."""
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         messages = [(ROLE_ALIASES.get(message.role, message.role), message.text()) for message in self.messages]
         return {"messages": messages, **self.sampling_kwargs(max_tokens)}
 
 
-def validation_param(loc: tuple[Any, ...]) -> str | None:
+#: Fields of the nested request objects, which a ``param`` path goes through.
+_NESTED_FIELDS = frozenset({*ChatMessage.model_fields, *ContentPart.model_fields, *StreamOptions.model_fields})
+
+
+def validation_param(loc: tuple[Any, ...], unrecognized: bool = False) -> str | None:
     """The ``param`` of a validation error at ``loc`` (FastAPI's ``("body", field, ...)``):
-    ``messages[0].content``-style, ``None`` for the body as a whole."""
+    ``messages[0].content``-style, ``None`` for the body as a whole. Union members' names
+    (``str``, ``list[ContentPart]``) and dict keys are left out; with ``unrecognized`` the
+    last part is an unknown field's name and is kept."""
     path = [part for part in loc if part != "body"]
     if not path or not isinstance(path[0], str):
         return None
     param = path[0]
-    for part in path[1:]:
+    for index, part in enumerate(path[1:], start=1):
         if isinstance(part, int):
             param += f"[{part}]"
-        elif part in ChatMessage.model_fields or part in ContentPart.model_fields:
+        elif part in _NESTED_FIELDS or (unrecognized and index == len(path) - 1):
             param += f".{part}"
-        else:  # a union member's name (e.g. "str"): not a field
-            break
     return param

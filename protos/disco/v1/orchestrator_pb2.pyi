@@ -68,7 +68,7 @@ class GenerateResult(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[RequestStats, _Mapping]] = ..., elapsed_ns: _Optional[int] = ...) -> None: ...
 
 class RequestStats(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "iterations", "draft_tokens", "accepted_tokens", "acceptance_rate", "lookaheads", "accepted_per_position", "target_forwards", "draft_forwards", "prefill_s", "draft_s", "verify_s", "wall_s", "tokens_per_s", "mean_lookahead", "finish_reason", "draft_fallbacks", "target_reprefills", "backend_draft_s", "backend_verify_s", "draft_reprefills", "overlap_hits", "overlap_misses", "predrafted_used", "predrafted_wasted")
+    __slots__ = ("prompt_tokens", "generated_tokens", "iterations", "draft_tokens", "accepted_tokens", "acceptance_rate", "lookaheads", "accepted_per_position", "target_forwards", "draft_forwards", "prefill_s", "draft_s", "verify_s", "wall_s", "tokens_per_s", "mean_lookahead", "finish_reason", "draft_fallbacks", "target_reprefills", "backend_draft_s", "backend_verify_s", "draft_reprefills", "overlap_hits", "overlap_misses", "predrafted_used", "predrafted_wasted", "seed")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ITERATIONS_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class RequestStats(_message.Message):
     OVERLAP_MISSES_FIELD_NUMBER: _ClassVar[int]
     PREDRAFTED_USED_FIELD_NUMBER: _ClassVar[int]
     PREDRAFTED_WASTED_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     iterations: int
@@ -121,7 +122,8 @@ class RequestStats(_message.Message):
     overlap_misses: int
     predrafted_used: int
     predrafted_wasted: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., iterations: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., lookaheads: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., target_forwards: _Optional[int] = ..., draft_forwards: _Optional[int] = ..., prefill_s: _Optional[float] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., mean_lookahead: _Optional[float] = ..., finish_reason: _Optional[str] = ..., draft_fallbacks: _Optional[int] = ..., target_reprefills: _Optional[int] = ..., backend_draft_s: _Optional[float] = ..., backend_verify_s: _Optional[float] = ..., draft_reprefills: _Optional[int] = ..., overlap_hits: _Optional[int] = ..., overlap_misses: _Optional[int] = ..., predrafted_used: _Optional[int] = ..., predrafted_wasted: _Optional[int] = ...) -> None: ...
+    seed: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., iterations: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., lookaheads: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., target_forwards: _Optional[int] = ..., draft_forwards: _Optional[int] = ..., prefill_s: _Optional[float] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., mean_lookahead: _Optional[float] = ..., finish_reason: _Optional[str] = ..., draft_fallbacks: _Optional[int] = ..., target_reprefills: _Optional[int] = ..., backend_draft_s: _Optional[float] = ..., backend_verify_s: _Optional[float] = ..., draft_reprefills: _Optional[int] = ..., overlap_hits: _Optional[int] = ..., overlap_misses: _Optional[int] = ..., predrafted_used: _Optional[int] = ..., predrafted_wasted: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
