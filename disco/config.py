@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import hashlib
 import math
+import secrets
 from dataclasses import dataclass, field, replace
 
 from disco.errors import InvalidRequest
@@ -31,6 +31,10 @@ DTYPE_CHOICES = ("auto", *ENGINE_DTYPES)
 #: (at most 16 x 256 states, built per request; docs/operations.md, "Limits").
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+#: Seeds drawn for sampled requests that give none are below 2**53: the seed reported with
+#: the request's stats is then exact as a JSON number in every client (JavaScript included),
+#: so it can be sent back to reproduce the output.
+RANDOM_SEED_BOUND = 2**53
 
 
 @dataclass(frozen=True)
@@ -40,7 +44,11 @@ class SamplingParams:
     ``temperature == 0`` means greedy decoding (the default, as in ``disco generate``).
     With ``temperature > 0`` the target distribution is the model's softmax after
     temperature, top-k and top-p warping; speculative decoding preserves exactly that
-    distribution (rejection sampling, Leviathan et al. 2023 / Chen et al. 2023).
+    distribution, and the token at each position is a function of that distribution and
+    noise keyed by ``(seed, position)`` alone (drafter-invariant speculative sampling, Daliri
+    et al. 2024: :mod:`disco.speculation.sampling`): a seed gives the same text whatever the
+    policy, lookahead, load and transport. A sampled request without a seed gets a random one
+    (:meth:`seeded`), reported in its stats.
 
     Stop strings follow vLLM: the text is cut *before* the stop string, the token that
     completed it is the last token id returned. EOS tokens are returned in
@@ -85,22 +93,24 @@ class SamplingParams:
                 raise InvalidRequest(f"stop strings must be at most {MAX_STOP_CHARS} characters long; "
                                      f"stop[{index}] has {len(stop)}")
 
+    def seeded(self) -> "SamplingParams":
+        """These params with a seed: unchanged when greedy or seeded, else with a random seed
+        in ``[0, RANDOM_SEED_BOUND)`` (the caller reports it, so the output can be reproduced)."""
+        if self.is_greedy or self.seed is not None:
+            return self
+        return replace(self, seed=secrets.randbelow(RANDOM_SEED_BOUND))
+
     def resumed_after(self, generated: int) -> "SamplingParams":
         """The params of a session re-created after ``generated`` tokens were committed
-        (a lost session, a failed replica): the remaining token budget and, when seeded, a
-        seed derived from ``(seed, generated)``. Re-seeding with the request's own seed would
-        replay the random numbers already spent on the committed tokens, so the later samples
-        would be correlated with the earlier ones (each token must come from fresh
-        randomness for the output to be distributed as the target's). Deterministic, so a
-        seeded request that hits the same failure at the same point is still reproducible.
+        (a lost session, a failed replica, a draft left behind under load): the remaining
+        token budget, and the request's own seed. The sampling noise is keyed by (seed,
+        absolute position) and a re-created session starts at the same absolute position
+        (its prompt is the committed sequence), so it draws fresh noise for every later
+        token and the text is the one the session would have given without the failure.
         """
         if generated <= 0:
             return self
-        seed = self.seed
-        if seed is not None:
-            digest = hashlib.sha256(f"disco-resume:{seed}:{generated}".encode()).digest()
-            seed = int.from_bytes(digest[:8], "little") % 2**63
-        return replace(self, max_new_tokens=max(1, self.max_new_tokens - generated), seed=seed)
+        return replace(self, max_new_tokens=max(1, self.max_new_tokens - generated))
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,10 @@ class RequestStats:
     overlap_misses: int = 0
     predrafted_used: int = 0
     predrafted_wasted: int = 0
+    # The seed the request was sampled with (its own, or a random one when it gave none): sent
+    # back, it reproduces the output whatever the policy, lookahead, load and transport. None
+    # under greedy decoding.
+    seed: int | None = None
 
     @property
     def acceptance_rate(self) -> float:
@@ -88,4 +92,5 @@ class RequestStats:
         return (f"{self.generated_tokens} tokens in {self.wall_s:.2f} s ({self.tokens_per_s:.2f} tok/s) | "
                 f"iterations {self.iterations}, acceptance {self.acceptance_rate:.1%}, "
                 f"mean lookahead {self.mean_lookahead:.2f}, target forwards {self.target_forwards}, "
-                f"draft forwards {self.draft_forwards} | draft {self.draft_s:.2f} s, verify {self.verify_s:.2f} s")
+                f"draft forwards {self.draft_forwards} | draft {self.draft_s:.2f} s, verify {self.verify_s:.2f} s"
+                + (f" | seed {self.seed}" if self.seed is not None else ""))

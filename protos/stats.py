@@ -19,10 +19,12 @@ def stats_to_pb(stats: RequestStats) -> orchestrator_pb2.RequestStats:
     return orchestrator_pb2.RequestStats(
         **{name: getattr(stats, name) for name in _STATS_FIELDS},
         lookaheads=stats.lookaheads, accepted_per_position=stats.accepted_per_position,
-        acceptance_rate=stats.acceptance_rate, tokens_per_s=stats.tokens_per_s, mean_lookahead=stats.mean_lookahead)
+        acceptance_rate=stats.acceptance_rate, tokens_per_s=stats.tokens_per_s, mean_lookahead=stats.mean_lookahead,
+        seed=stats.seed)
 
 
 def stats_from_pb(message: orchestrator_pb2.RequestStats) -> RequestStats:
     return RequestStats(**{name: getattr(message, name) for name in _STATS_FIELDS},
                         lookaheads=list(message.lookaheads),
-                        accepted_per_position=list(message.accepted_per_position))
+                        accepted_per_position=list(message.accepted_per_position),
+                        seed=message.seed if message.HasField("seed") else None)

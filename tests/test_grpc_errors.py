@@ -26,7 +26,6 @@ LONG = dict(max_new_tokens=400, ignore_eos=True, policy="static:4")  # runs long
 
 BAD_REQUESTS = [
     (dict(prompt=""), Code.INVALID_ARGUMENT, "prompt is empty"),
-    (dict(prompt="  \n"), Code.INVALID_ARGUMENT, "prompt is empty"),
     (dict(max_new_tokens=0), Code.INVALID_ARGUMENT, "max_new_tokens"),
     (dict(max_new_tokens=-3), Code.INVALID_ARGUMENT, "max_new_tokens"),
     (dict(max_new_tokens=5000), Code.INVALID_ARGUMENT, "max_new_tokens must be <= 4096"),
@@ -47,7 +46,7 @@ BAD_REQUESTS = [
     (dict(messages=[("user", "Hi")]), Code.INVALID_ARGUMENT, "chat template"),
     (dict(messages=[("robot", "Hi")]), Code.INVALID_ARGUMENT, "messages[0].role"),
     (dict(messages=[("user", "Hi"), ("assistant", "Hello")]), Code.INVALID_ARGUMENT, "last message"),
-    (dict(messages=[("system", ""), ("user", " ")]), Code.INVALID_ARGUMENT, "prompt is empty"),
+    (dict(messages=[("system", ""), ("user", "")]), Code.INVALID_ARGUMENT, "prompt is empty"),
 ]
 
 

@@ -213,8 +213,15 @@ def _old_message_class(module, name: str) -> type:
         for message in proto.message_type:
             if message.name in OLD_LAST_FIELD:
                 kept = [field for field in message.field if field.number <= OLD_LAST_FIELD[message.name]]
-                del message.field[:]
+                # Oneofs of the removed fields go too (a proto3 optional field is a oneof of its own).
+                used = sorted({field.oneof_index for field in kept if field.HasField("oneof_index")})
+                oneofs = [message.oneof_decl[index] for index in used]
+                for field in kept:
+                    if field.HasField("oneof_index"):
+                        field.oneof_index = used.index(field.oneof_index)
+                del message.field[:], message.oneof_decl[:]
                 message.field.extend(kept)
+                message.oneof_decl.extend(oneofs)
         pool.Add(proto)
         added.add(file.name)
 

@@ -1,5 +1,6 @@
 """Verification math with hand-made tensors: greedy acceptance, warping, and a
-statistical test that rejection sampling reproduces the target distribution."""
+statistical test that rejection sampling reproduces the target distribution (the
+drafter-invariant rule the engines use: tests/test_invariant_sampling.py)."""
 
 import numpy as np
 import pytest
@@ -88,17 +89,20 @@ def test_rejection_sampling_identical_distributions_accepts_everything():
         assert rejection_sample(draft_ids, probs[:3], probs, generator)[0] == 3
 
 
-def test_the_generator_lives_on_the_models_device(target_model):
-    """torch.multinomial needs its generator on the device of the probabilities; the engines
-    create each session's generator on their model's device (the CPU here, a GPU there)."""
-    from disco.config import SamplingParams  # noqa: PLC0415
+def test_sessions_sample_with_a_seed_and_noise_on_the_models_device(target_model):
+    """The noise is hashed on the device of the probabilities (the model's: a GPU there), and a
+    sampled session always has a seed: the caller's, or a random one (greedy keeps none)."""
     from disco.engines.target import TargetEngine  # noqa: PLC0415
-    from disco.speculation.sampling import make_generator  # noqa: PLC0415
+    from disco.speculation.sampling import gumbel_noise  # noqa: PLC0415
 
-    assert make_generator(None) is None
-    assert make_generator(7, "cpu").device.type == "cpu"
+    device = next(target_model.parameters()).device
+    assert gumbel_noise(5, [3, 4], 10, device).device == device
     engine = TargetEngine(target_model)
     engine.start_session("s", [1, 2, 3], SamplingParams(temperature=1.0, seed=5))
-    session = engine.sessions.get("s")
-    assert session.generator.device == next(target_model.parameters()).device
-    engine.end_session("s")
+    engine.start_session("u", [1, 2, 3], SamplingParams(temperature=1.0))
+    engine.start_session("g", [1, 2, 3], SamplingParams())
+    assert engine.sessions.get("s").sampling.seed == 5
+    assert engine.sessions.get("u").sampling.seed is not None
+    assert engine.sessions.get("g").sampling.seed is None
+    for session in ("s", "u", "g"):
+        engine.end_session(session)

@@ -24,7 +24,7 @@ from disco.engines.static_runner import static_runner_for
 from disco.errors import InvalidRequest, ModelError, SessionMismatch, SessionNotFound
 from disco.interfaces import DraftEvent, DraftSummary, DraftToken, Feedback, PrefillResult
 from disco.speculation.policies import Decision, PolicyFactory, StopPolicy, block_budget
-from disco.speculation.sampling import logits_to_probs, make_generator, sample, to_host
+from disco.speculation.sampling import gumbel_sample, logits_to_probs, to_host
 from disco.speculation.signals import NUM_SIGNAL_VALUES, TokenSignals, signal_values, signals_from_values
 
 
@@ -36,8 +36,7 @@ _EXACT_FLOAT32_INTS = 1 << 24
 class DraftSession:
     sequence: CachedSequence
     policy: StopPolicy
-    sampling: SamplingParams
-    generator: torch.Generator | None
+    sampling: SamplingParams  # seeded when sampling (a random seed if the caller gave none)
     lock: threading.Lock = field(default_factory=threading.Lock)
     block_base: int = 0  # sequence length before the block awaiting feedback
     block_size: int = 0  # draft tokens handed out in that block
@@ -122,8 +121,7 @@ class DraftEngine:
             session = DraftSession(
                 sequence=sequence,
                 policy=policy,
-                sampling=sampling,
-                generator=make_generator(sampling.seed, sequence.device),
+                sampling=sampling.seeded(),
                 overlap=self.overlap if overlap is None else overlap,
                 session_id=session_id,
             )
@@ -197,7 +195,7 @@ class DraftEngine:
                 yield token
             forwards, stop_reason = start.forwards, start.stop_reason or "lookahead_cap"
             for position in range(len(start.tokens), start.budget if start.stop_reason is None else 0):
-                token, decision, _ = self._step(session, policy, position, session.generator)
+                token, decision, _ = self._step(session, policy, position)
                 forwards += 1
                 if decision is Decision.DISCARD:
                     stop_reason = "discarded"
@@ -276,8 +274,6 @@ class DraftEngine:
                 last = sequence.tokens[-1]
                 sequence.truncate(len(sequence) - 1)
                 sequence.tokens.append(last)
-        if kept and session.generator is not None and predraft.generator_states:
-            session.generator.set_state(predraft.generator_states[len(kept) - 1])
         if stopped:
             start.stop_reason = "policy"
         elif len(kept) >= start.budget:
@@ -289,9 +285,10 @@ class DraftEngine:
         if not session.overlap or max_lookahead == 0 or not can_predraft(session.policy):
             return
         room = self.max_context - len(session.sequence) - 1  # the guess takes one position
-        predraft = Predraft(session.sequence, session.policy, session.generator, session.block_size, max_lookahead,
-                            room, self.batcher, lambda policy, position, generator: self._step(
-                                session, policy, position, generator), name=f"predraft-{session_id}")
+        predraft = Predraft(session.sequence, session.policy, session.block_size, max_lookahead, room, self.batcher,
+                            lambda policy, position: self._step(session, policy, position),
+                            lambda logits, position: int(self._choose(session.sampling, position, logits, False)[0]),
+                            name=f"predraft-{session_id}")
         with session.predraft_guard:
             if session.closed:
                 return
@@ -301,28 +298,29 @@ class DraftEngine:
                 return
             session.predraft = predraft
 
-    def _step(self, session: DraftSession, policy: StopPolicy, position: int, generator: torch.Generator | None
+    def _step(self, session: DraftSession, policy: StopPolicy, position: int
               ) -> tuple[DraftToken, Decision, TokenSignals | None]:
-        """Draft one token and ask the policy about it (the drafting loop's body).
+        """Draft one token and ask the policy about it (the drafting loop's body);
+        ``position``: the token's index in its block (the policy's).
 
-        One device-to-host transfer per draft token: the token, its probability, the
-        signals (and hidden state) a policy reads and, when sampling, the draft distribution
-        the target needs are gathered into one float32 tensor on the device and moved once
-        (:func:`to_host`). Token ids travel as float32, exact below 2**24 (checked at start).
+        One device-to-host transfer per draft token: the token, its probability and the
+        signals (and hidden state) a policy reads are gathered into one float32 tensor on
+        the device and moved once (:func:`to_host`). Token ids travel as float32, exact below
+        2**24 (checked at start). No distribution travels: the target verifies sampled
+        tokens by their ids (drafter-invariant sampling).
         """
         sequence = session.sequence
         self.sessions.grow(session.session_id, len(sequence.tokens))  # the KV this forward adds, admitted
         logits, hidden = self.batcher.forward(sequence, 1, want_hidden=policy.needs_hidden)  # [1, vocab]
         # Greedy with signals: the token's probability is the signals' (one softmax serves both).
         want_prob = not (policy.needs_signals and session.sampling.is_greedy)
-        token, prob, draft_probs = self._choose(session.sampling, generator, logits[0], want_prob)
+        # The token goes at absolute position len(sequence.tokens): its noise's key when sampling.
+        token, prob = self._choose(session.sampling, len(sequence.tokens), logits[0], want_prob)
         parts = [token.float().reshape(1), prob.reshape(1) if prob is not None else logits.new_full((1,), float("nan"))]
         if policy.needs_signals:
             parts.append(signal_values(logits[0], token))  # [NUM_SIGNAL_VALUES]
             if hidden is not None:
                 parts.append(hidden[0].float())  # [hidden_size]
-        if draft_probs is not None:
-            parts.append(draft_probs)  # [vocab]
         host = to_host(torch.cat(parts))  # the one transfer
         token_id, draft_prob, offset = int(host[0]), float(host[1]), 2
         signals = None
@@ -334,25 +332,26 @@ class DraftEngine:
             signals = signals_from_values(values, hidden_host)
             if not want_prob:
                 draft_prob = signals.token_prob
-        host_probs = torch.from_numpy(host[offset:]) if draft_probs is not None else None  # [vocab], on the host
-        token = DraftToken(token_id=token_id, draft_prob=draft_prob, draft_probs=host_probs)
+        token = DraftToken(token_id=token_id, draft_prob=draft_prob)
         return token, policy.after_token(position, token.token_id, signals), signals
 
     @staticmethod
-    def _choose(sampling: SamplingParams, generator: torch.Generator | None,
+    def _choose(sampling: SamplingParams, position: int,
                 logits: torch.Tensor,  # logits: [vocab]
-                want_prob: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """The draft token on the device (nothing read back): ``(token [], its probability []
-        or None, the warped distribution [vocab] when sampling)``. Greedy: the argmax and, if
-        ``want_prob``, its softmax probability (the caller may take it from the signals).
-        Sampling: a token from the warped distribution (:func:`sample`, multinomial's draw)."""
+                want_prob: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The draft token at absolute sequence ``position`` on the device (nothing read back):
+        ``(token [], its probability [] or None)``. Greedy: the argmax and, if ``want_prob``,
+        its softmax probability (the caller may take it from the signals). Sampling: the
+        Gumbel-max sample of the warped distribution under the noise of ``(seed, position)``
+        (:func:`gumbel_sample`), the noise the target samples its own token with there, and
+        its probability."""
         if sampling.is_greedy:
             token = logits.argmax()
             prob = torch.softmax(logits, -1).index_select(0, token.reshape(1))[0] if want_prob else None
-            return token, prob, None
+            return token, prob
         draft_probs = logits_to_probs(logits, sampling)  # [vocab]
-        token = sample(draft_probs, generator)
-        return token, draft_probs.index_select(0, token.reshape(1))[0], draft_probs
+        token = gumbel_sample(draft_probs.unsqueeze(0), sampling.seed, [position])[0]
+        return token, draft_probs.index_select(0, token.reshape(1))[0]
 
     def active_sessions(self) -> int:
         return len(self.sessions)

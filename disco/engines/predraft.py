@@ -18,14 +18,15 @@ rollback to the accepted prefix) and the original policy is kept.
 
 Exactness: a pre-drafted token is used only when the feedback equals the guess, i.e. when
 its context is exactly the committed tokens, and it is the very :class:`DraftToken` the
-drafting loop would have produced there (with the distribution it was sampled from).
+drafting loop would have produced there.
 
-NOTE: the guess is the draft's argmax also when sampling (the mode of the warped
-distribution: temperature, top-k and top-p keep the argmax). It is the most likely token
-to hit when the draft resembles the target, and it draws no random number. With the
-worker sampling on a clone of the session's generator, whose state is adopted only on a
-hit (up to the last token kept), a seeded request gets the same tokens with and without
-overlap, whatever the worker managed to draft before it was stopped.
+The guess is the draft's own choice at the bonus position: its argmax under greedy
+decoding, and when sampling its Gumbel-max sample under the noise of (seed, that position),
+the noise the target samples its bonus token with (drafter-invariant sampling, see
+:mod:`disco.speculation.sampling`): it equals the target's token as often as a draft token
+is accepted. Sampled draft tokens are functions of their context and of (seed, position),
+so the worker's tokens are the drafting loop's with and without overlap, with no random
+state to carry over.
 """
 
 from __future__ import annotations
@@ -48,9 +49,11 @@ from disco.speculation.signals import TokenSignals
 
 logger = logging.getLogger(__name__)
 
-#: One drafting step of the engine: (policy, position in block, generator) -> the token,
-#: the policy's decision after it, and the signals the policy read (None if it reads none).
-Step = Callable[[StopPolicy, int, "torch.Generator | None"], tuple[DraftToken, Decision, "TokenSignals | None"]]
+#: One drafting step of the engine: (policy, position in block) -> the token, the policy's
+#: decision after it, and the signals the policy read (None if it reads none).
+Step = Callable[[StopPolicy, int], tuple[DraftToken, Decision, "TokenSignals | None"]]
+#: The draft's choice of a token from its logits ([vocab]) at an absolute sequence position.
+Choose = Callable[["torch.Tensor", int], int]
 
 
 def can_predraft(policy: StopPolicy) -> bool:
@@ -77,14 +80,6 @@ def clone_policy(policy: StopPolicy) -> StopPolicy:
     return copy.deepcopy(policy, shared)
 
 
-def _clone_generator(generator: torch.Generator | None) -> torch.Generator | None:
-    if generator is None:  # unseeded sampling (global RNG) or greedy
-        return None
-    clone = torch.Generator(device=generator.device)
-    clone.set_state(generator.get_state())
-    return clone
-
-
 class Predraft:
     """The next block of one session, drafted in a background thread.
 
@@ -94,21 +89,19 @@ class Predraft:
     sequence afterwards, so the worker and a drafting call never overlap.
     """
 
-    def __init__(self, sequence: CachedSequence, policy: StopPolicy, generator: torch.Generator | None,
-                 block_size: int, max_lookahead: int, room: int, batcher: ForwardBatcher, step: Step,
-                 name: str = "predraft") -> None:
+    def __init__(self, sequence: CachedSequence, policy: StopPolicy, block_size: int, max_lookahead: int,
+                 room: int, batcher: ForwardBatcher, step: Step, choose: Choose, name: str = "predraft") -> None:
         self.block_end = len(sequence)  # sequence length with the block awaiting verification
         self.block_size = block_size  # draft tokens in that block (the guessed num_accepted)
         self.max_lookahead = max_lookahead  # the cap assumed for the next block (the last call's)
-        self._sequence, self._original, self._generator = sequence, policy, generator
-        self._room, self._batcher, self._step = room, batcher, step
+        self._sequence, self._original = sequence, policy
+        self._room, self._batcher, self._step, self._choose = room, batcher, step, choose
         self.stop = threading.Event()
         self.guess: int | None = None  # the guessed bonus token, once its forward ran
         self.policy: StopPolicy | None = None  # the copy: on_feedback(k, k), begin_block, after_token…
         self.budget = 0  # the next block's lookahead budget under the guess
         self.tokens: list[DraftToken] = []  # pre-drafted tokens, after the guess
         self.signals: list[TokenSignals | None] = []  # what the policy read for each of them
-        self.generator_states: list[torch.Tensor] = []  # the generator's state after each token
         self.stopped = False  # the last token got a STOP
         self.forwards = 0  # draft forwards run, used or not
         self.error: Exception | None = None
@@ -152,23 +145,20 @@ class Predraft:
         self.policy, self.budget = policy, budget
         logits, _ = self._batcher.forward(sequence, 1)  # [1, vocab]
         self.forwards += 1
-        guess = int(logits[0].argmax())
+        guess = self._choose(logits[0], len(sequence.tokens))
         sequence.tokens.append(guess)
         self.guess = guess
         # 3. The next block after the guess, token by token, as the drafting loop does.
-        generator = _clone_generator(self._generator)
         for position in range(budget):
             if self.stop.is_set():
                 return
-            token, decision, signals = self._step(policy, position, generator)
+            token, decision, signals = self._step(policy, position)
             self.forwards += 1
             if decision is Decision.DISCARD:  # not expected (see can_predraft): make it a miss
                 raise RuntimeError("the stop policy discarded a pre-drafted token")
             sequence.tokens.append(token.token_id)
             self.tokens.append(token)
             self.signals.append(signals)
-            if generator is not None:
-                self.generator_states.append(generator.get_state())
             if decision is Decision.STOP:
                 self.stopped = True
                 return

@@ -3,7 +3,10 @@
 A session is admitted by count and by KV bytes (:mod:`disco.engines.sessions`): prompt +
 ``max_new_tokens`` reserved before the prefill, the reservation grown when a verification
 block would take the cache past it. A verification reads one tensor back to the host (the
-accepted count and the next token: :func:`greedy_accept`, :func:`rejection_sample`).
+target's token at each position of the block: :func:`greedy_accept`, :func:`invariant_verify`).
+Sampled sessions verify by drafter-invariant speculative sampling: the target's token at
+absolute position ``i`` is its Gumbel-max sample under the noise of ``(seed, i)``, so the text
+depends on the seed and the target alone (see :mod:`disco.speculation.sampling`).
 """
 
 from __future__ import annotations
@@ -22,14 +25,13 @@ from disco.engines.sessions import KvBudget, SessionLimits, SessionStore
 from disco.engines.static_runner import static_runner_for
 from disco.errors import InvalidRequest, SessionMismatch
 from disco.interfaces import PrefillResult, VerifyResult
-from disco.speculation.sampling import greedy_accept, logits_to_probs, make_generator, rejection_sample
+from disco.speculation.sampling import greedy_accept, invariant_verify, logits_to_probs
 
 
 @dataclass
 class TargetSession:
     sequence: CachedSequence
-    sampling: SamplingParams
-    generator: torch.Generator | None
+    sampling: SamplingParams  # seeded when sampling (a random seed if the caller gave none)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -68,11 +70,7 @@ class TargetEngine:
             sequence = CachedSequence(self.model, prompt_ids, capacity=reserved + 1)
             if self.static is not None:
                 self.static.acquire(sequence, reserved + 1)  # a slot when one is free (else the packed path)
-            session = TargetSession(
-                sequence=sequence,
-                sampling=sampling,
-                generator=make_generator(sampling.seed, sequence.device),
-            )
+            session = TargetSession(sequence=sequence, sampling=sampling.seeded())
             self.batcher.prefill(session.sequence)  # batched with concurrent prefills
             self.sessions.add(session_id, session)
         return PrefillResult(prompt_tokens=len(prompt_ids), elapsed_ns=now_ns(self.device) - started)
@@ -84,21 +82,22 @@ class TargetEngine:
         self,
         session_id: str,
         draft_token_ids: Sequence[int],
-        draft_probs: torch.Tensor | None,  # [k, vocab] when sampling, else None
+        draft_probs: torch.Tensor | None = None,  # [k, vocab] or None: not read (drafter-invariant rule)
         expected_length: int | None = None,
     ) -> VerifyResult:
         """:meth:`disco.interfaces.Verifier.verify`; ``expected_length``: the caller's committed
         length of the session (the gRPC path always sends it): another length is refused
-        (:class:`SessionMismatch`) before anything changes."""
+        (:class:`SessionMismatch`) before anything changes.
+
+        ``draft_probs`` are accepted from callers that still send them (an older
+        orchestrator) and ignored: sampled blocks are verified by comparing token ids with
+        the target's own seeded samples (:func:`invariant_verify`)."""
         started = now_ns(self.device)
         session = self.sessions.get(session_id)
         draft_token_ids = list(draft_token_ids)
         num_draft = len(draft_token_ids)
         if any(not 0 <= token < self.vocab_size for token in draft_token_ids):
             raise InvalidRequest(f"draft token ids must be in [0, {self.vocab_size})")
-        if not session.sampling.is_greedy and num_draft and (
-                draft_probs is None or draft_probs.shape[0] != num_draft):
-            raise InvalidRequest("sampling verification needs one draft distribution per draft token")
         if not session.lock.acquire(blocking=False):
             raise InvalidRequest(f"session {session_id!r} is already verifying")
         try:
@@ -121,9 +120,8 @@ class TargetEngine:
                 num_accepted, bonus = greedy_accept(draft_token_ids, target_logits)
             else:
                 target_probs = logits_to_probs(target_logits, session.sampling)  # [k + 1, vocab]
-                empty = torch.empty(0, target_probs.shape[-1])
-                num_accepted, bonus = rejection_sample(
-                    draft_token_ids, draft_probs if num_draft else empty, target_probs, session.generator)
+                # Row j is the target's distribution at absolute position base + j.
+                num_accepted, bonus = invariant_verify(draft_token_ids, target_probs, session.sampling.seed, base)
             sequence.truncate(base + num_accepted)
             sequence.tokens.append(bonus)
         finally:

@@ -12,14 +12,11 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import logging
-import secrets
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence, Union
-
-import torch
 
 from disco.config import SamplingParams, SpeculationConfig
 from disco.errors import InvalidRequest, SessionNotFound, Unavailable
@@ -50,16 +47,6 @@ class GenerationResult:
 GenerationEvent = Union[TokenChunk, GenerationResult]
 
 logger = logging.getLogger(__name__)
-
-
-def derive_seeds(sampling: SamplingParams) -> tuple[SamplingParams, SamplingParams]:
-    """Per-side sampling params: the drafter and the verifier each get their own seeded
-    generator (seed and seed + 1), so a seeded request is reproducible on any transport."""
-    if sampling.is_greedy:
-        return sampling, sampling
-    seed = sampling.seed if sampling.seed is not None else secrets.randbelow(2**62)
-    return (dataclasses.replace(sampling, seed=seed),
-            dataclasses.replace(sampling, seed=(seed + 1) % 2**63))
 
 
 class SpeculativeGenerator:
@@ -162,7 +149,10 @@ class SpeculativeGenerator:
         stats = RequestStats(prompt_tokens=len(prompt_ids))
         detokenizer = IncrementalDetokenizer(
             self.decode, sampling.stop, () if sampling.ignore_eos else self.eos_token_ids)
-        draft_sampling, target_sampling = derive_seeds(sampling)
+        # Both sides draw the same noise, keyed by (seed, position): the request's seed, or (sampled
+        # without one) a random seed, reported in the stats so that the output can be reproduced.
+        sampling = sampling.seeded()
+        stats.seed = None if sampling.is_greedy else sampling.seed
         session_id = uuid.uuid4().hex
         generated: list[int] = []
         finish_reason = ""
@@ -175,19 +165,19 @@ class SpeculativeGenerator:
         try:
             # 1. Prefill: one session in each service.
             if defer_draft:
-                self.verifier.start_session(session_id, prompt_ids, target_sampling)
+                self.verifier.start_session(session_id, prompt_ids, sampling)
                 sessions_started.append(self.verifier)
             elif uses_draft and self.parallel_prefill:
-                uses_draft = self._prefill_at_once(session_id, prompt_ids, target_sampling, draft_sampling,
-                                                   speculation, reference_ids, stats, sessions_started)
+                uses_draft = self._prefill_at_once(session_id, prompt_ids, sampling, speculation, reference_ids,
+                                                   stats, sessions_started)
             else:
-                self.verifier.start_session(session_id, prompt_ids, target_sampling)
+                self.verifier.start_session(session_id, prompt_ids, sampling)
                 sessions_started.append(self.verifier)
                 if uses_draft:
                     assert self.drafter is not None
                     sessions_started.append(self.drafter)
-                    uses_draft = self._start_draft(session_id, prompt_ids, draft_sampling, speculation,
-                                                   reference_ids, stats)
+                    uses_draft = self._start_draft(session_id, prompt_ids, sampling, speculation, reference_ids,
+                                                   stats)
             stats.prefill_s = time.perf_counter() - started
             feedback: Feedback | None = None
             draft_behind = defer_draft  # the draft session misses tokens (not started, or blocks skipped under load)
@@ -195,7 +185,6 @@ class SpeculativeGenerator:
                 # 2. Draft: never more than can still be used (remaining tokens - bonus).
                 lookahead_cap = min(speculation.max_lookahead, sampling.max_new_tokens - len(generated) - 1)
                 draft_ids: list[int] = []
-                draft_probs: list[torch.Tensor] = []
                 if uses_draft and lookahead_cap > 0 and load_aware:
                     # 2.0 Under load a verification row costs more: where no lookahead pays now,
                     # this block is a target-only step; the draft catches up when it pays again.
@@ -209,42 +198,42 @@ class SpeculativeGenerator:
                         else:  # deferred at the start: its first prefill
                             sessions_started.append(self.drafter)
                         uses_draft = self._start_draft(session_id, prompt_ids + generated,
-                                                       draft_sampling.resumed_after(len(generated)) if generated
-                                                       else draft_sampling, speculation, None, stats)
+                                                       sampling.resumed_after(len(generated)), speculation, None,
+                                                       stats)
                         draft_behind, feedback = False, None
                 if uses_draft and lookahead_cap > 0:
                     draft_started = time.perf_counter()
                     try:
-                        self._draft_block(session_id, feedback, lookahead_cap, draft_ids, draft_probs, stats)
+                        self._draft_block(session_id, feedback, lookahead_cap, draft_ids, stats)
                     except SessionNotFound:
                         # 2.1 The draft service lost the session (restart, expiry): re-prefill it
                         # from the loop's token list, the source of truth, and draft again.
                         logger.warning("draft session %s lost; re-prefilling %d tokens", session_id,
                                        len(prompt_ids) + len(generated))
-                        draft_ids.clear(), draft_probs.clear()
+                        draft_ids.clear()
                         uses_draft = self._start_draft(session_id, prompt_ids + generated,
-                                                       draft_sampling.resumed_after(len(generated)),
-                                                       speculation, None, stats)
+                                                       sampling.resumed_after(len(generated)), speculation, None,
+                                                       stats)
                         if uses_draft:
-                            self._draft_block(session_id, None, lookahead_cap, draft_ids, draft_probs, stats)
+                            self._draft_block(session_id, None, lookahead_cap, draft_ids, stats)
                     except Unavailable as error:
                         uses_draft = self._draft_failed(session_id, error, stats)
-                        draft_ids.clear(), draft_probs.clear()
+                        draft_ids.clear()
                     feedback = None
                     stats.draft_s += time.perf_counter() - draft_started
-                # 3. Verify the whole block in one target forward.
+                # 3. Verify the whole block in one target forward. Sampled tokens are verified by
+                # their ids (drafter-invariant sampling): no draft distribution travels.
                 verify_started = time.perf_counter()
-                block_probs = torch.stack(draft_probs) if draft_probs else None
                 try:
-                    verdict = self.verifier.verify(session_id, draft_ids, block_probs)
+                    verdict = self.verifier.verify(session_id, draft_ids, None)
                 except SessionNotFound:
                     # 3.1 The target lost the session: re-prefill the committed tokens, verify again.
                     logger.warning("target session %s lost; re-prefilling %d tokens", session_id,
                                    len(prompt_ids) + len(generated))
                     stats.target_reprefills += 1
                     self.verifier.start_session(session_id, prompt_ids + generated,
-                                                target_sampling.resumed_after(len(generated)))
-                    verdict = self.verifier.verify(session_id, draft_ids, block_probs)
+                                                sampling.resumed_after(len(generated)))
+                    verdict = self.verifier.verify(session_id, draft_ids, None)
                 stats.verify_s += time.perf_counter() - verify_started
                 stats.backend_verify_s += verdict.elapsed_ns / 1e9
                 stats.record_iteration(len(draft_ids), verdict.num_accepted)
@@ -283,9 +272,9 @@ class SpeculativeGenerator:
 
     # -- draft side helpers: a failing draft service never fails the request ------------
 
-    def _prefill_at_once(self, session_id: str, prompt_ids: list[int], target_sampling: SamplingParams,
-                         draft_sampling: SamplingParams, speculation: SpeculationConfig,
-                         reference_ids: list[int] | None, stats: RequestStats, sessions_started: list) -> bool:
+    def _prefill_at_once(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                         speculation: SpeculationConfig, reference_ids: list[int] | None, stats: RequestStats,
+                         sessions_started: list) -> bool:
         """Both prefills at once: the draft session starts in a worker thread while this
         one starts the target's. Returns whether the draft session runs (as
         :meth:`_start_draft`). Either service's error propagates once both calls are over,
@@ -294,8 +283,8 @@ class SpeculativeGenerator:
         sessions_started.append(self.drafter)  # ended by the caller whatever happens (ending is idempotent)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-prefill") as pool:
             draft = pool.submit(contextvars.copy_context().run, self.drafter.start_session, session_id, prompt_ids,
-                                draft_sampling, speculation.policy, reference_ids, overlap=speculation.overlap)
-            self.verifier.start_session(session_id, prompt_ids, target_sampling)  # on error: waits for the draft
+                                sampling, speculation.policy, reference_ids, overlap=speculation.overlap)
+            self.verifier.start_session(session_id, prompt_ids, sampling)  # on error: waits for the draft
             sessions_started.append(self.verifier)
         try:  # the outcome is handled here, in the request's thread (its stats, its log context)
             draft.result()
@@ -314,7 +303,7 @@ class SpeculativeGenerator:
             return self._draft_failed(session_id, error, stats)
 
     def _draft_block(self, session_id: str, feedback: Feedback | None, lookahead_cap: int,
-                     draft_ids: list[int], draft_probs: list[torch.Tensor], stats: RequestStats) -> None:
+                     draft_ids: list[int], stats: RequestStats) -> None:
         for event in self.drafter.draft(session_id, feedback, lookahead_cap):
             if isinstance(event, DraftSummary):
                 stats.draft_forwards += event.forwards
@@ -324,9 +313,7 @@ class SpeculativeGenerator:
                 stats.predrafted_used += event.predrafted_used
                 stats.predrafted_wasted += event.predrafted_wasted
             else:
-                draft_ids.append(event.token_id)
-                if event.draft_probs is not None:
-                    draft_probs.append(event.draft_probs)
+                draft_ids.append(event.token_id)  # a distribution an older draft service sends is not needed
 
     @staticmethod
     def _draft_failed(session_id: str, error: Exception, stats: RequestStats) -> bool:

@@ -4,7 +4,9 @@ A text completion is ``object: "text_completion"`` with ``choices[i].text``; a c
 completion ``"chat.completion"`` with ``choices[i].message`` and, streamed,
 ``"chat.completion.chunk"`` with ``choices[i].delta``. Besides ``usage`` every final
 answer carries ``speculation``: what the request's speculation did (from the gRPC
-``RequestStats``).
+``RequestStats``), and ``seed``: the seed the request was sampled with — its own, or the
+random one drawn when it gave none (``null`` under greedy decoding) — which, sent back as
+the request's ``seed``, gives the same text whatever the policy, lookahead and load.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ class Shaper:
         else:
             choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
         body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
-        return {**body, "usage": usage(result.stats), "speculation": speculation(result.stats, self.policy)}
+        return {**body, "usage": usage(result.stats), "speculation": speculation(result.stats, self.policy),
+                "seed": result.stats.get("seed")}
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None, role: str | None = None,
               include_usage: bool = False) -> dict[str, Any]:
@@ -67,7 +70,8 @@ class Shaper:
     def usage_chunk(self, result: Completion) -> dict[str, Any]:
         """The last event with ``stream_options.include_usage``: no choices, the usage."""
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
-        return {**body, "usage": usage(result.stats), "speculation": speculation(result.stats, self.policy)}
+        return {**body, "usage": usage(result.stats), "speculation": speculation(result.stats, self.policy),
+                "seed": result.stats.get("seed")}
 
 
 def usage(stats: dict) -> dict[str, int]:
