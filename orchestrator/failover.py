@@ -22,10 +22,9 @@ the old one had after the last verdict (prompt + accepted + bonus tokens, the la
 pending), so the next block is drafted and verified against the same prefix. A draft
 stream is read whole before the loop sees any of it, so a stream cut off halfway is
 simply drafted again. A verification repeated after a failure verifies the same block
-against the same prefix. With sampling, a session re-created after ``n`` committed
-tokens gets a seed derived from (request seed, ``n``) (:meth:`SamplingParams.resumed_after`):
-fresh random numbers, so the output is still distributed as the target's, and reproducible
-for the same failure at the same point, but not the sample an undisturbed run would have drawn.
+against the same prefix. With sampling the same holds: the noise of every position is
+keyed by (request seed, absolute position) (:mod:`disco.speculation.sampling`), so a
+re-created session draws exactly the samples an undisturbed run would have drawn.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 :mod:`~disco.speculation.loop` is the one speculation loop (draft, verify, accept) over
 the ``Drafter`` / ``Verifier`` interfaces; :mod:`~disco.speculation.sampling` the
-verification math (greedy acceptance, rejection sampling); :mod:`~disco.speculation.policies`
+verification math (greedy acceptance, drafter-invariant seeded sampling); :mod:`~disco.speculation.policies`
 the stop policies that run in the draft's loop, with their per-token
 :mod:`~disco.speculation.signals` and :mod:`~disco.speculation.features`;
 :mod:`~disco.speculation.cost_model` the deployment's costs the ``auto`` rule weighs;

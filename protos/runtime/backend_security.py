@@ -51,7 +51,7 @@ class BackendSecurity:
         """
         mtls = tls is not None and tls.cert is not None and tls.ca is not None
         encrypted = tls is not None and tls.cert is not None
-        how = " + ".join(([f"mTLS"] if mtls else []) + (["backend token"] if self.tokens else []))
+        how = " + ".join((["mTLS"] if mtls else []) + (["backend token"] if self.tokens else []))
         if is_loopback(host):
             if how:
                 return f"authenticated ({how}) on loopback"
