@@ -4,11 +4,14 @@ Vocabulary (as in vLLM's spec-decode docs):
 
 * **draft tokens** — proposed by the draft model, one block per iteration; the block
   length is the iteration's **lookahead**.
-* **accepted tokens** — the longest prefix of the block the target agrees with (greedy:
-  equal to the target's argmax; sampling: kept by rejection sampling).
+* **accepted tokens** — the longest prefix of the block the target agrees with: equal to
+  the target's own token at each position (greedy: its argmax; sampling: its Gumbel-max
+  sample under the noise of ``(seed, position)``, the noise the draft proposed with —
+  drafter-invariant speculative sampling, :mod:`disco.speculation.sampling`).
 * **rejected token** — the first draft token of the block the target does not keep.
-* **recovered token** — the token the target puts in its place (greedy: the target's
-  argmax; sampling: a draw from the residual distribution).
+* **recovered token** — the token the target puts in its place: its own token at that
+  position (greedy: the argmax; sampling: its seeded sample), what target-only decoding
+  gives there.
 * **bonus token** — when every draft token was accepted, the free extra token from the
   last target distribution.
 * **next token** (``next_token_id``) — the one token the target appends after the accepted
@@ -44,7 +47,7 @@ class DraftToken:
 
     token_id: int
     draft_prob: float  # probability the (warped) draft distribution gave this token
-    draft_probs: torch.Tensor | None = None  # [vocab] full warped distribution; sampling only
+    draft_probs: torch.Tensor | None = None  # [vocab]; legacy (rejection sampling), never set now
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,7 @@ class Verifier(Protocol):
         self,
         session_id: str,
         draft_token_ids: Sequence[int],
-        draft_probs: torch.Tensor | None,  # [k, vocab] when sampling, else None
+        draft_probs: torch.Tensor | None,  # [k, vocab]; legacy, not read: sampled blocks are verified by token ids
     ) -> VerifyResult:
         """One target forward over the block: accept the longest valid prefix, roll the KV
         cache back to it, return the accepted count and the bonus token. An empty block

@@ -227,7 +227,7 @@ class FailoverVerifier(_StickySession):
         self,
         session_id: str,
         draft_token_ids: Sequence[int],
-        draft_probs: torch.Tensor | None,  # [k, vocab] when sampling, else None
+        draft_probs: torch.Tensor | None,  # [k, vocab]; legacy, not read by the target (token ids are verified)
     ) -> VerifyResult:
         verdict = self._call(lambda client, backend_id, fresh: client.verify(
             backend_id, draft_token_ids, draft_probs, expected_length=len(self.track.committed())))

@@ -165,7 +165,7 @@ class RemoteVerifier:
         self,
         session_id: str,
         draft_token_ids: Sequence[int],
-        draft_probs: torch.Tensor | None,  # [k, vocab] when sampling, else None
+        draft_probs: torch.Tensor | None,  # [k, vocab]; legacy, not read by the target (token ids are verified)
         expected_length: int | None = None,
     ) -> VerifyResult:
         """``expected_length``: the committed length before the block (the service refuses a
