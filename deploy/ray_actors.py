@@ -21,6 +21,7 @@ from disco.platform import tune_cpu_math_env
 tune_cpu_math_env()  # this module is the first one a Ray worker imports: before torch
 
 import os  # noqa: E402
+from dataclasses import replace  # noqa: E402
 from typing import Any  # noqa: E402
 
 import grpc  # noqa: E402
@@ -159,6 +160,8 @@ class OrchestratorService:
         http_port: also serve the OpenAI-compatible HTTP API on this port of ``host``
             (0: any; ``None``: none), in front of this orchestrator (docs/http.md).
         auth_tokens: the public API's bearer tokens (gRPC and HTTP; empty: none required).
+        http_limits: the HTTP API's request limits (:class:`orchestrator.http.config.HttpConfig`
+            fields ``max_tokens_limit``, ``max_concurrent``, ``max_queue``, ``timeout_s``).
         backend_token: the token presented to the draft and target replicas (their
             ``backend_tokens``; never one of ``auth_tokens``).
     """
@@ -166,7 +169,7 @@ class OrchestratorService:
     def __init__(self, namespace: str, tokenizer_spec: str | None, host: str | None = None, port: int = 0,
                  limits: dict | None = None, tls: dict | None = None, require_client_cert: bool = False,
                  metrics: bool = False, http_port: int | None = None, auth_tokens: tuple[str, ...] = (),
-                 backend_token: str | None = None) -> None:
+                 backend_token: str | None = None, http_limits: dict | None = None) -> None:
         from deploy.ray_resolver import RayResolver  # noqa: PLC0415
         from disco.models.loading import disco_home  # noqa: PLC0415
         from orchestrator.routing import ReplicaSet  # noqa: PLC0415
@@ -187,9 +190,9 @@ class OrchestratorService:
             from orchestrator.http.config import HttpConfig  # noqa: PLC0415 - the web stack only when asked
             from orchestrator.http.server import start_in_thread  # noqa: PLC0415
 
-            self._http = start_in_thread(HttpConfig.fronting(
+            self._http = start_in_thread(replace(HttpConfig.fronting(
                 self._address, host, http_port, auth_tokens=tuple(auth_tokens),
-                **{f"tls_{key}": value for key, value in (tls or {}).items()}))
+                **{f"tls_{key}": value for key, value in (tls or {}).items()}), **(http_limits or {})))
 
     def address(self) -> str:
         return self._address

@@ -29,6 +29,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from deploy import ray_head
 from deploy.ray_actors import ModelService, OrchestratorService
 from deploy.ray_resolver import ORCHESTRATOR_NAME, actor_names, replica_name, role_of
+from orchestrator.http.config import orchestrator_limits_for
 from disco.errors import DiscoError
 from protos.runtime.auth import new_token
 from protos.runtime.backend_security import BackendSecurity
@@ -93,6 +94,11 @@ class UpConfig:
     metrics: bool = False  # each service serves /metrics on a free port (`disco status` lists them)
     overlap: bool = False  # draft replicas pre-draft the next block while the target verifies (disco.engines.predraft)
     http_port: int | None = None  # the orchestrator actor also serves the OpenAI-compatible HTTP API (docs/http.md)
+    # The request limits of that API (HttpConfig fields: max_tokens_limit, max_concurrent,
+    # max_queue, timeout_s; `disco up --max-tokens-limit ...`); the orchestrator actor takes
+    # max_tokens_limit and max_concurrent as its own max_new_tokens and max_sessions, as
+    # `disco serve` does. Empty: the defaults.
+    http_limits: dict[str, float | int | None] = field(default_factory=dict)
     # Backends on a non-loopback interface without TLS client authentication: refused unless insecure.
     insecure: bool = False
     # The tokens the draft and target replicas accept (the orchestrator presents the first):
@@ -263,9 +269,10 @@ def _deploy(config: UpConfig, public: tuple[str, ...], security: BackendSecurity
         handle = ray.remote(OrchestratorService).options(
             name=ORCHESTRATOR_NAME, lifetime="detached", max_restarts=config.max_restarts, num_cpus=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(_head_node_id(), soft=False),
-        ).remote(config.namespace, config.target, config.host, config.port, None, config.tls_paths(),
-                 config.tls_require_client_cert, config.metrics, config.http_port, auth_tokens=public,
-                 backend_token=security.tokens[0] if security.tokens else None)
+        ).remote(config.namespace, config.target, config.host, config.port, orchestrator_limits_for(config.http_limits),
+                 config.tls_paths(), config.tls_require_client_cert, config.metrics, config.http_port,
+                 auth_tokens=public, backend_token=security.tokens[0] if security.tokens else None,
+                 http_limits=dict(config.http_limits))
         orchestrator = _await(ORCHESTRATOR_NAME, handle, config.startup_timeout_s)
         http = ray.get(handle.http_url.remote(), timeout=DESCRIBE_TIMEOUT_S)
     return {"orchestrator": orchestrator, "http": http, "placement": strategy, "placement_note": note,

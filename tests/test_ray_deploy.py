@@ -50,6 +50,7 @@ SERVER_NAME = "localhost"  # the test certificates name localhost (and 127.0.0.1
 LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
 NEW_TOKENS = 32
 LONG_TOKENS = 300  # static:1: one Draft and one Verify round trip per token, long enough to interrupt
+MAX_TOKENS_LIMIT = 400  # `disco up --max-tokens-limit`: the gateway's and the orchestrator's
 RESTART_TIMEOUT_S = 180.0
 CLIENT_TIMEOUT_S = 180.0
 
@@ -96,7 +97,8 @@ def deployment(tiny_pair_dirs, tmp_path_factory):
         info = up(UpConfig(target=str(tiny_pair_dirs["target"]), draft=str(tiny_pair_dirs["draft"]),
                            dtype="float32", namespace=namespace, target_replicas=2, port=0,
                            tls_cert=str(services.cert), tls_key=str(services.key), tls_ca=str(authority.ca),
-                           tls_server_name=SERVER_NAME, metrics=True, http_port=0, max_kv_bytes=KV_BUDGET),
+                           tls_server_name=SERVER_NAME, metrics=True, http_port=0, max_kv_bytes=KV_BUDGET,
+                           http_limits={"max_tokens_limit": MAX_TOKENS_LIMIT}),
                   home, (TOKEN,))
     (backend_token,) = generated
     deployment = Deployment(info, home, namespace, {}, authority.ca, services, backend_token)
@@ -274,6 +276,17 @@ def test_the_orchestrator_actor_serves_the_openai_api(deployment):
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=60, context=context)
     assert refused.value.code == 401
+    # `disco up --max-tokens-limit`: the gateway's limit, and the orchestrator's.
+    body = json.dumps({"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS_LIMIT + 1}).encode()
+    request = urllib.request.Request(f"{url}/completions", data=body, headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=60, context=context)
+    assert refused.value.code == 400 and json.loads(refused.value.read())["error"]["param"] == "max_tokens"
+    with deployment.client() as client, pytest.raises(grpc.RpcError) as refused:
+        client.generate(PROMPTS[0], max_new_tokens=MAX_TOKENS_LIMIT + 1)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"max_new_tokens must be <= {MAX_TOKENS_LIMIT}" in refused.value.details()
 
 
 def test_concurrent_sessions_spread_over_both_target_replicas(deployment, reference):

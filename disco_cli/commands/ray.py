@@ -13,10 +13,12 @@ import json
 import logging
 import os
 import time
+from dataclasses import replace
 
 from disco.errors import DiscoError
 from disco_cli.commands.common import (add_deployment_security_args, add_dtype_arg, add_server_security_args,
                                        public_tokens_from_args)
+from disco_cli.commands.http import add_http_limit_args, http_limits_from_args
 from disco_cli.commands.serve import add_http_port_arg, add_overlap_arg, overlap_from_args, parse_bytes
 
 DEFAULT_NAMESPACE = "disco"
@@ -65,6 +67,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="each service serves Prometheus /metrics on a free port (`disco status` lists them)")
     add_overlap_arg(parser, "of the draft replicas")
     add_http_port_arg(parser)
+    add_http_limit_args(parser, " (with --http-port; also the orchestrator's limits)")
     add_deployment_security_args(
         parser, "security (PEM paths readable on every node; every service gets the same files, as with "
         "`disco serve`)", require_client_cert=True,
@@ -103,6 +106,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus /metrics on this port of --host (0: any free port; default: off)")
     add_http_port_arg(parser)
+    add_http_limit_args(parser, " (with --http-port; also the orchestrator's limits)")
     add_server_security_args(parser, orchestrator=True)
     _add_namespace_arg(parser)
     parser.set_defaults(func=_run_ray_orchestrator)
@@ -149,7 +153,8 @@ def _run_up(args: argparse.Namespace) -> int:
         placement_timeout_s=args.placement_timeout,
         tls_cert=_absolute(args.tls_cert), tls_key=_absolute(args.tls_key), tls_ca=_absolute(args.tls_ca),
         tls_server_name=args.tls_server_name, tls_require_client_cert=args.tls_require_client_cert,
-        metrics=args.metrics, overlap=overlap_from_args(args), http_port=args.http_port, insecure=args.insecure,
+        metrics=args.metrics, overlap=overlap_from_args(args), http_port=args.http_port,
+        http_limits=http_limits_from_args(args), insecure=args.insecure,
         backend_tokens=backend_tokens(args.backend_token_file))
     result = up(config, disco_home(), public_tokens_from_args(args))
     print(json.dumps(result) if args.json else up_report(result), flush=True)
@@ -248,7 +253,8 @@ def _run_ray_orchestrator(args: argparse.Namespace) -> int:
     from disco.models.loading import disco_home  # noqa: PLC0415
     from orchestrator.routing import ReplicaSet  # noqa: PLC0415
     from orchestrator.server import load_tokenizer, serve  # noqa: PLC0415
-    from orchestrator.servicer import SERVICE_NAME  # noqa: PLC0415
+    from orchestrator.http.config import orchestrator_limits_for  # noqa: PLC0415 - imports no web stack
+    from orchestrator.servicer import SERVICE_NAME, OrchestratorLimits  # noqa: PLC0415
     from protos.runtime.auth import backend_tokens  # noqa: PLC0415
     from protos.runtime.server import serve_until_signal  # noqa: PLC0415
     from protos.runtime.tls import TlsFiles  # noqa: PLC0415
@@ -261,15 +267,17 @@ def _run_ray_orchestrator(args: argparse.Namespace) -> int:
     running = serve(tokenizer, ReplicaSet("draft", resolver), ReplicaSet("target", resolver),
                     host=args.host, port=args.port, tls=tls, require_client_cert=args.tls_require_client_cert,
                     auth_tokens=tokens, backend_token=backend[0] if backend else None,
-                    metrics_port=args.metrics_port)
+                    metrics_port=args.metrics_port,
+                    limits=OrchestratorLimits(**orchestrator_limits_for(http_limits_from_args(args))))
     gateway = None
     if args.http_port is not None:  # the OpenAI-compatible API, in front of this orchestrator (docs/http.md)
         from orchestrator.http.config import HttpConfig, local_address  # noqa: PLC0415
         from orchestrator.http.server import start_in_thread  # noqa: PLC0415
 
-        gateway = start_in_thread(HttpConfig.fronting(
+        gateway = start_in_thread(replace(HttpConfig.fronting(
             local_address(args.host, running.port), args.host, args.http_port, tls_cert=args.tls_cert,
-            tls_key=args.tls_key, tls_ca=args.tls_ca, tls_server_name=args.tls_server_name, auth_tokens=tokens))
+            tls_key=args.tls_key, tls_ca=args.tls_ca, tls_server_name=args.tls_server_name, auth_tokens=tokens),
+            **http_limits_from_args(args)))
     # Readiness: the service is NOT_SERVING until Ray is reachable; the server's overall
     # health ("") stays SERVING (liveness).
     running.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)

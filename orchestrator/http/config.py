@@ -36,6 +36,14 @@ DEFAULT_QUEUE_PER_SLOT = 2
 DEFAULT_REQUEST_TIMEOUT_S = DEFAULT_TIMEOUT_S
 
 
+def orchestrator_limits_for(http_limits: dict) -> dict:
+    """The orchestrator's :class:`~orchestrator.servicer.OrchestratorLimits` fields that follow
+    the HTTP limits (as ``disco serve`` ties them): the largest ``max_new_tokens`` and the
+    concurrent requests."""
+    names = {"max_tokens_limit": "max_new_tokens", "max_concurrent": "max_sessions"}
+    return {names[key]: value for key, value in http_limits.items() if key in names and value is not None}
+
+
 @dataclass(frozen=True)
 class HttpConfig:
     """One gateway in front of one orchestrator.
