@@ -77,6 +77,8 @@ class ForwardBatcher:
         # Packed only where the model supports it and this machine proves it exact; else one by one.
         self.verdict = verdict_for(model, max(1, max_batch))
         self.packed = self.verdict.packed
+        if static is not None:  # the static step batches rows too: the same verdict gates it
+            static.gate(self.verdict)
         self.max_batch = max(1, max_batch) if self.packed else 1
         self.max_wait_s = max_wait_s
         self.wait_fraction = wait_fraction

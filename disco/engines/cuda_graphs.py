@@ -3,17 +3,26 @@ captured once, replayed per step, so a step costs one graph launch instead of ~1
 launches per layer.
 
 :class:`GraphedStep` captures :meth:`disco.engines.static_step.StaticStep.compute` (inputs
-read from the step's buffers, caches written in place, logits into a buffer of the graph's
-pool) and replays it after :meth:`~disco.engines.static_step.StaticStep.fill`. The replay
-runs the captured kernels on the same addresses, so its logits are the eager step's bit for
-bit (``tests/test_gpu.py`` checks it). :func:`capture_buckets` captures every bucket, with
-progress, and reports the time and the device memory the graphs took (memory the KV budget
-must count besides :attr:`disco.engines.static_step.StaticCaches.nbytes`).
+read from the step's buffers, caches written in place, logits copied into the one output
+buffer every graph shares) and replays it after :meth:`~disco.engines.static_step.StaticStep.fill`.
+The replay runs the captured kernels on the same addresses, so its logits are the eager step's
+bit for bit (``tests/test_gpu.py`` checks it); :meth:`~disco.engines.static_step.StaticStep.read`
+hands out copies, as the next replay overwrites the buffer.
 
-Capture runs the step (warm-up and capture write keys and values of slots ``0 ..
-sessions-1`` at the positions their lengths give), so it happens at service start, before
-any session holds a slot. NOTE: written without a GPU at hand; not run yet (docs/engines.md,
-"Static step and CUDA graphs").
+:func:`capture_buckets` captures every bucket as SGLang's runner does: largest first, into one
+memory pool, with one output buffer ``[largest bucket's rows, vocab]`` (a bucket's logits are
+its first rows). Replays never overlap (one forward on a model at a time), so each graph's
+intermediates can reuse the blocks the larger graphs captured before it, and the logits are
+held once instead of once per graph (~1 GB at 32 slots for a 152k vocabulary). It reports the
+time and the device memory the graphs took as the growth of ``torch.cuda.memory_reserved``
+(the private pool's blocks count there, ``memory_allocated`` misses what the pool keeps for
+the graphs; cached free blocks are handed back before each reading): memory the KV budget must
+count besides :attr:`disco.engines.static_step.StaticCaches.nbytes`.
+
+Capture runs the step (warm-up and capture write keys and values of the rows' slots at the
+positions their lengths give), so it happens at service start, before any session holds a
+slot, and after the model's row plans are settled (:func:`disco.engines.static_runner.static_runner_for`).
+NOTE: written without a GPU at hand; not run yet (docs/engines.md, "Static step and CUDA graphs").
 """
 
 from __future__ import annotations
@@ -33,22 +42,58 @@ logger = logging.getLogger(__name__)
 WARMUP_RUNS = 2
 
 
-class GraphedStep:
-    """One bucket's step as a CUDA graph (module doc)."""
+def capture_order(steps: Iterable[StaticStep]) -> list[StaticStep]:
+    """The steps largest first (rows, then sessions): each later graph's intermediates fit in
+    blocks of the shared pool that a larger one freed."""
+    return sorted(steps, key=lambda step: (step.bucket.rows, step.bucket.sessions), reverse=True)
 
-    def __init__(self, step: StaticStep, pool=None) -> None:
+
+def output_buffer(steps: Sequence[StaticStep]) -> torch.Tensor:  # [max rows, vocab]
+    """The one logits buffer of all the steps' graphs: the largest bucket's rows, in the
+    activations' dtype (the embeddings'; a weight-only head returns it too), on the steps' device."""
+    model = steps[0].lean.model
+    head = model.get_output_embeddings()
+    vocab = int(getattr(head, "out_features", None) or head.weight.shape[0])
+    rows = max(step.bucket.rows for step in steps)
+    dtype = model.get_input_embeddings().weight.dtype
+    return torch.empty(rows, vocab, dtype=dtype, device=steps[0].tokens.device)
+
+
+def logits_into(step: StaticStep, output: torch.Tensor) -> torch.Tensor:  # [sessions, block, vocab]
+    """Run ``step.compute`` and copy its logits into the first rows of ``output`` (what a graph
+    captures); returns that view of ``output``.
+
+    NOTE: the copy costs one write and read of the bucket's logits per replay; it is what lets
+    every graph share one buffer (the head's own output would stay in the pool, once per graph)."""
+    bucket = step.bucket
+    logits = output[: bucket.rows].view(bucket.sessions, bucket.block, -1)
+    computed = step.compute()  # [sessions, block, vocab]
+    if computed.shape != logits.shape or computed.dtype != logits.dtype:  # a cast would change bits
+        raise TypeError(f"the step's logits {tuple(computed.shape)} {computed.dtype} do not fit the output "
+                        f"buffer's {tuple(logits.shape)} {logits.dtype}")
+    logits.copy_(computed)
+    return logits
+
+
+class GraphedStep:
+    """One bucket's step as a CUDA graph (module doc). ``output``: the buffer the graph writes its
+    logits into (shared by the graphs of :func:`capture_buckets`; default: one of its own);
+    ``pool``: the memory pool to capture into."""
+
+    def __init__(self, step: StaticStep, output: torch.Tensor | None = None, pool=None) -> None:
         if step.tokens.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA step, this one is on {step.tokens.device}")
         self.step = step
+        output = output_buffer([step]) if output is None else output
         side = torch.cuda.Stream(step.tokens.device)
         side.wait_stream(torch.cuda.current_stream(step.tokens.device))
         with torch.inference_mode(), torch.cuda.stream(side):
             for _ in range(WARMUP_RUNS):
-                step.compute()
+                logits_into(step, output)
         torch.cuda.current_stream(step.tokens.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(self.graph, pool=pool):
-            self.logits = step.compute()  # [sessions, block, vocab], in the graph's pool
+            self.logits = logits_into(step, output)  # [sessions, block, vocab], a view of the shared output
 
     @property
     def pool(self):
@@ -56,7 +101,8 @@ class GraphedStep:
 
     @torch.inference_mode()
     def forward(self, rows: Sequence[SlotRows]) -> list[torch.Tensor]:
-        """:meth:`StaticStep.forward` by a replay of the graph."""
+        """:meth:`StaticStep.forward` by a replay of the graph (copies of the logits: the next
+        replay of any graph sharing the output overwrites it)."""
         self.step.fill(rows)
         self.graph.replay()
         return self.step.read(self.logits, rows)
@@ -66,29 +112,38 @@ class GraphedStep:
 class CaptureReport:
     graphs: int
     seconds: float
-    memory_bytes: int  # device memory allocated by the graphs' pool and outputs
+    memory_bytes: int  # device memory reserved by the graphs' pool and their output buffer
 
     def describe(self) -> str:
         return f"{self.graphs} CUDA graphs captured in {self.seconds:.1f} s, {self.memory_bytes / 2**20:.0f} MiB"
 
 
+def _reserved(device: torch.device) -> int:
+    """Device memory the caching allocator holds (graph pools included), free cached blocks
+    handed back first; 0 off CUDA."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()  # the warm-ups' freed blocks are not the graphs' (a private pool keeps its own)
+    return torch.cuda.memory_reserved(device)
+
+
 def capture_buckets(steps: Iterable[StaticStep], progress: bool = True) -> tuple[dict[Bucket, GraphedStep], CaptureReport]:
-    """Capture every step (one per bucket), sharing one memory pool; logs progress."""
-    steps = list(steps)
+    """Capture every step (one per bucket) largest first into one memory pool, every graph's
+    logits in one output buffer (module doc); logs progress."""
+    steps = capture_order(steps)
     graphed: dict[Bucket, GraphedStep] = {}
     if not steps:
         return graphed, CaptureReport(0, 0.0, 0)
     device = steps[0].tokens.device
-    torch.cuda.synchronize(device)
-    before, started, pool = torch.cuda.memory_allocated(device), time.perf_counter(), None
+    before, started = _reserved(device), time.perf_counter()
+    pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+    output = output_buffer(steps)
     for index, step in enumerate(steps):
-        graph = GraphedStep(step, pool)
-        pool = graph.pool
-        graphed[step.bucket] = graph
+        graphed[step.bucket] = GraphedStep(step, output, pool)
         if progress:
             logger.info("captured the CUDA graph of %d sessions x %d tokens (%d of %d)", step.bucket.sessions,
                         step.bucket.block, index + 1, len(steps))
-    torch.cuda.synchronize(device)
-    report = CaptureReport(len(graphed), time.perf_counter() - started, torch.cuda.memory_allocated(device) - before)
+    report = CaptureReport(len(graphed), time.perf_counter() - started, _reserved(device) - before)
     logger.info("%s", report.describe())
     return graphed, report

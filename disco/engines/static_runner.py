@@ -8,12 +8,23 @@ the packed forward (prefills, batches with a prefill in them) and the static ste
 same storage, and a session may take either path from one forward to the next: both attend
 in the one-call plan, in which they give the same bits (``tests/test_static_step.py``). The
 runner runs a batch of decoding/verification steps of slotted sessions as the smallest bucket
-that holds them (:meth:`StaticRunner.run`): eagerly, or by replaying the bucket's CUDA graph
-(:meth:`StaticRunner.capture`, at service start).
+that holds them (:meth:`StaticRunner.run`; a bucket counts sessions, whatever their slots):
+eagerly, or by replaying the bucket's CUDA graph (:meth:`StaticRunner.capture`, at service start,
+after the model's row plans are settled).
 
 The batcher (:mod:`disco.engines.batching`) hands a batch to the runner when every request in
 it is such a step (:meth:`StaticRunner.can_run`); anything else (a prefill, hidden states
-asked for, a session without a slot) takes the packed forward as before.
+asked for, a session without a slot) takes the packed forward as before. The static step
+batches rows as a packed forward does, so it runs only where the packing verdict allows
+batching (:meth:`StaticRunner.gate`, by the batcher); else no session gets a slot. It runs only
+the model's current lean decoder: an eager runner rebuilds its steps over a new one, a graphed
+runner turns itself off (its graphs replay the old one; capturing again would overwrite live
+sessions' slots).
+
+A slot comes back when its session's sequence is freed, by a ``weakref.finalize`` callback that
+may run inside any allocation (a garbage collection), also while this runner's lock is held: it
+only queues the slot (a ``deque``, no lock) and frees it at once if the lock is free; the queue
+is drained under the lock.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ import heapq
 import logging
 import threading
 import weakref
+from collections import deque
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -35,6 +47,9 @@ if TYPE_CHECKING:
     from disco.engines.kv import CachedSequence
 
 logger = logging.getLogger(__name__)
+
+#: Why a runner is off before the batcher gave it the packing verdict (:meth:`StaticRunner.gate`).
+_UNGATED = "no packing verdict yet"
 
 
 class SlotLayer(PreallocatedLayer):
@@ -79,58 +94,127 @@ class StaticRunner:
         self.lean, self.plan = lean, plan
         self.caches = StaticCaches(lean.model, min(slots, SESSION_BUCKETS[-1]), capacity)
         self.steps: dict[Bucket, object] = {}  # StaticStep or GraphedStep, by bucket
-        self._free = list(range(self.caches.slots))
+        self._free_heap = list(range(self.caches.slots))
         self._owners: dict[int, weakref.ref] = {}
+        self._released: deque[tuple[int, weakref.ref]] = deque()  # slots whose sequences were freed, not yet back
         self._lock = threading.Lock()
         self.graphed = False
+        self.verdict = None  # the batcher's PackingVerdict (gate); no slot is handed out before it allows
+        self.refused: str | None = _UNGATED  # why the path is off; None: on
 
     def describe(self) -> str:
         how = "CUDA graphs" if self.graphed else "eager"
-        return (f"static path ({how}): {self.caches.slots} slots of {self.caches.capacity} positions, "
+        state = f"off: {self.refused}; " if self.refused not in (None, _UNGATED) else ""
+        return (f"static path ({how}): {state}{self.caches.slots} slots of {self.caches.capacity} positions, "
                 f"{self.caches.nbytes / 2**20:.0f} MiB of caches")
 
-    def acquire(self, sequence: "CachedSequence", reserved_tokens: int) -> bool:
-        """Give ``sequence`` a slot (its cache becomes the slot's, empty); ``False`` when none
-        is free or its reservation does not fit a slot (it stays on the packed path)."""
-        if reserved_tokens + BLOCK_BUCKETS[-1] > self.caches.capacity or sequence.cache_len:
-            return False
+    def gate(self, verdict) -> None:
+        """Take the engine's :class:`~disco.engines.packing_proof.PackingVerdict` (the batcher's):
+        the static step batches rows (and pads them) as a packed forward does, so it runs only
+        where that verdict allows batching; else no session takes a slot."""
+        self.verdict = verdict
+        if verdict.packed:
+            self.refused = None
+        else:
+            self.refused = f"batching is not proven exact here ({verdict.detail})"
+            logger.warning("%s", self.describe())
+
+    @property
+    def _free(self) -> list[int]:
+        """The free slots (a heap), with the slots of freed sequences taken back first."""
         with self._lock:
-            if not self._free:
+            self._drain()
+            return self._free_heap
+
+    def acquire(self, sequence: "CachedSequence", reserved_tokens: int) -> bool:
+        """Give ``sequence`` a slot (its cache becomes the slot's, empty); ``False`` when the path
+        is off, none is free or its reservation does not fit a slot (it stays on the packed path)."""
+        if (self.refused is not None or reserved_tokens + BLOCK_BUCKETS[-1] > self.caches.capacity
+                or sequence.cache_len or (self.graphed and not self._decoder_ready())):
+            return False
+        owner = weakref.ref(sequence)
+        with self._lock:
+            self._drain()
+            if not self._free_heap:
                 return False
-            slot = heapq.heappop(self._free)
-            self._owners[slot] = weakref.ref(sequence)
+            slot = heapq.heappop(self._free_heap)
+            self._owners[slot] = owner
         sequence.cache = SlotCache(self.caches, slot)
         sequence.plan = self.plan
-        weakref.finalize(sequence, self.release, slot)
+        weakref.finalize(sequence, self._freed, slot, owner)
         return True
 
+    def _freed(self, slot: int, owner: weakref.ref) -> None:
+        """The finalizer of a slotted sequence: may run inside a garbage collection anywhere, this
+        runner's lock held or not (module doc), so it never waits for the lock."""
+        self._released.append((slot, owner))
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
+
+    def _drain(self) -> None:
+        """Free the queued slots (lock held); a slot taken by another sequence since stays taken."""
+        while self._released:
+            slot, owner = self._released.popleft()
+            if self._owners.get(slot) is owner:
+                self._give_back(slot)
+
+    def _give_back(self, slot: int) -> None:
+        del self._owners[slot]
+        self.caches.lengths[slot] = 0
+        heapq.heappush(self._free_heap, slot)
+
     def release(self, slot: int) -> None:
-        """The slot is free again (the session ended, or its sequence was freed)."""
+        """The slot is free again (the session ended). Not for finalizers: it takes the lock."""
         with self._lock:
+            self._drain()
             if slot in self._owners:
-                del self._owners[slot]
-                self.caches.lengths[slot] = 0
-                heapq.heappush(self._free, slot)
+                self._give_back(slot)
+
+    def _decoder_ready(self) -> bool:
+        """Whether the steps run the model's current lean decoder (one whose modules, fused
+        weights and row plans are the model's). An eager runner rebuilds its steps over a new one;
+        a graphed runner turns itself off: its graphs replay the old decoder, and capturing again
+        would write into live sessions' slots."""
+        if self.lean.is_current():
+            return True
+        from disco.engines.packed_forward import lean_decoder_for  # noqa: PLC0415 - the engines' forward
+
+        lean = lean_decoder_for(self.lean.model)
+        if lean is None or self.graphed:
+            self.refused = ("the model's lean decoder changed after its CUDA graphs were captured" if self.graphed
+                            else "the model has no lean decoder any more")
+            logger.warning("%s", self.describe())
+            return False
+        self.lean, self.steps = lean, {}
+        return True
 
     def can_run(self, sequences: Sequence["CachedSequence"], num_logits: Sequence[int],
                 want_hidden: Sequence[bool]) -> bool:
-        """Whether this batch is steps the runner takes: slotted sessions, logits asked for
-        (no prefill), no hidden states, blocks within the largest bucket."""
-        return all(isinstance(sequence.cache, SlotCache) and count > 0 and not hidden
-                   and sequence.num_pending <= BLOCK_BUCKETS[-1]
-                   and self._owners.get(sequence.cache.slot, lambda: None)() is sequence
-                   for sequence, count, hidden in zip(sequences, num_logits, want_hidden))
+        """Whether this batch is steps the runner takes: the path on (:meth:`gate`) over the
+        model's current lean decoder, slotted sessions, logits asked for (no prefill), no hidden
+        states, blocks within the largest bucket."""
+        return (self.refused is None
+                and all(isinstance(sequence.cache, SlotCache) and count > 0 and not hidden
+                        and sequence.num_pending <= BLOCK_BUCKETS[-1]
+                        and self._owners.get(sequence.cache.slot, lambda: None)() is sequence
+                        for sequence, count, hidden in zip(sequences, num_logits, want_hidden))
+                and self._decoder_ready())
 
     def run(self, sequences: Sequence["CachedSequence"], num_logits: Sequence[int]
             ) -> list[tuple[torch.Tensor, None]]:
-        """One bucketed step over the sequences' pending tokens; returns per sequence its
-        logits ``[num_logits, vocab]`` (float32) and advances its cache, as the packed forward does."""
+        """One bucketed step over the sequences' pending tokens (a batch :meth:`can_run` took);
+        returns per sequence its logits ``[num_logits, vocab]`` (float32, tensors of their own)
+        and advances its cache, as the packed forward does."""
         with self._lock:
+            self._drain()
             for slot, owner in self._owners.items():  # every slot's length: the padding rows write past it
                 sequence = owner()
                 self.caches.lengths[slot] = sequence.cache_len if sequence is not None else 0
         rows = [SlotRows(sequence.cache.slot, sequence.tokens[sequence.cache_len:]) for sequence in sequences]
-        bucket = bucket_for(max(row.slot for row in rows) + 1, max(len(row.tokens) for row in rows))
+        bucket = bucket_for(len(rows), max(len(row.tokens) for row in rows))  # sessions, not slot numbers
         step = self.steps.get(bucket)
         if step is None:
             step = self.steps[bucket] = StaticStep(self.lean, self.caches, bucket, self.plan)
@@ -143,12 +227,15 @@ class StaticRunner:
         return results
 
     def capture(self, buckets: Sequence[Bucket] | None = None) -> str:
-        """Capture the CUDA graphs of ``buckets`` (default: every bucket the slots allow), before
-        any session holds a slot; returns the report's line."""
+        """Capture the CUDA graphs of ``buckets`` (default: every bucket the slots allow; largest
+        first, into one pool, see :func:`~disco.engines.cuda_graphs.capture_buckets`), before any
+        session holds a slot and after the model's row plans are settled; returns the report's line."""
         from disco.engines.cuda_graphs import capture_buckets  # noqa: PLC0415 - CUDA only
 
         if self._owners:
             raise RuntimeError("CUDA graphs are captured before any session holds a slot")
+        if not self.lean.is_current():
+            raise RuntimeError("the lean decoder is not the model's current one: capture after the row plans")
         buckets = buckets or [Bucket(sessions, block) for sessions in SESSION_BUCKETS if sessions <= self.caches.slots
                               for block in BLOCK_BUCKETS]
         graphed, report = capture_buckets(StaticStep(self.lean, self.caches, bucket, self.plan) for bucket in buckets)
@@ -160,12 +247,19 @@ class StaticRunner:
 
 def static_runner_for(model: torch.nn.Module, slots: int, capacity: int, role: str) -> StaticRunner | None:
     """The static path of an engine (``slots`` > 0; its lean decoder needed), its CUDA graphs
-    captured on a GPU; ``None`` where it is off or cannot run (the log says why)."""
+    captured on a GPU; ``None`` where it is off or cannot run (the log says why). Off until the
+    batcher's packing verdict allows it (:meth:`StaticRunner.gate`).
+
+    The model's exactness is settled first (:func:`~disco.engines.packing_proof.exactness_for`
+    may give its linears row plans, which makes a new lean decoder): the decoder and the graphs
+    are built over the row plans that serve."""
     if slots <= 0:
         return None
     from disco.engines.packed_forward import lean_decoder_for  # noqa: PLC0415 - the engines' forward
+    from disco.engines.packing_proof import exactness_for  # noqa: PLC0415
     from disco.engines.varlen_attention import ONE_CALL_CPU, ONE_CALL_CUDA  # noqa: PLC0415
 
+    exactness_for(model)  # row plans first (cached on the model: the batcher's verdict reuses it)
     lean = lean_decoder_for(model)
     if lean is None:
         logger.warning("%s: no static path (the model has no lean decoder)", role)

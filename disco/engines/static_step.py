@@ -10,12 +10,14 @@ lengths, a row of ``sum(k_i)`` tokens, Python loops over sessions). Here:
   ``[slots, kv_heads, capacity, head_dim]`` allocated once; a session owns a *slot*, its
   length is a host integer (rolling back a rejected block is setting it). Prefills stay on the
   packed path; :meth:`StaticCaches.load` copies a prefilled session's cache into its slot.
-* **Buckets** (:class:`Bucket`): a step runs slots ``0 .. sessions-1`` with ``block`` query
-  tokens each, both rounded up to :data:`SESSION_BUCKETS` / :data:`BLOCK_BUCKETS` (vLLM and
-  SGLang pad a batch to the next captured size the same way). A slot without tokens this step,
-  and the tokens past a session's own block, are padding: their keys and values land past the
-  slot's length (never read, overwritten by the next real write) and their logits are dropped.
-  So the caller keeps live sessions in the low slots.
+* **Buckets** (:class:`Bucket`): a step runs ``sessions`` rows of ``block`` query tokens each,
+  both rounded up to :data:`SESSION_BUCKETS` / :data:`BLOCK_BUCKETS` (vLLM and SGLang pad a
+  batch to the next captured size the same way). A bucket counts sessions, not slot numbers:
+  row ``i`` of a step reads and writes the slot its ``slots`` input names (gathered on the
+  device), so sessions in slots 0 and 15 run in the 2-row bucket. The rows past the batch's
+  sessions are padding, each in a distinct slot outside the batch (the shortest first), and so
+  are the tokens past a session's own block: their keys and values land past their slot's
+  length (never read, overwritten by the next real write) and their logits are dropped.
 * **One attention call per layer**: every (slot, query) is one row of the one-call layout of
   :mod:`disco.engines.varlen_attention` — a slot's queries ride in the head dimension, each
   attends its slot's keys up to its own position, over the whole capacity (masked keys add exact
@@ -53,7 +55,7 @@ BLOCK_BUCKETS = (1, 2, 4, 8, 16, 24)
 
 @dataclass(frozen=True)
 class Bucket:
-    """The shape of one step: slots ``0 .. sessions-1``, ``block`` tokens each."""
+    """The shape of one step: ``sessions`` rows (each in a slot of its own), ``block`` tokens each."""
 
     sessions: int
     block: int
@@ -63,14 +65,15 @@ class Bucket:
         return self.sessions * self.block
 
 
-def bucket_for(slots: int, block: int) -> Bucket:
-    """The smallest bucket holding slots ``0 .. slots-1`` and blocks of ``block`` tokens."""
-    sessions = next((size for size in SESSION_BUCKETS if size >= slots), None)
+def bucket_for(sessions: int, block: int) -> Bucket:
+    """The smallest bucket holding ``sessions`` sessions (whatever their slots) and blocks of
+    ``block`` tokens."""
+    rows = next((size for size in SESSION_BUCKETS if size >= sessions), None)
     width = next((size for size in BLOCK_BUCKETS if size >= block), None)
-    if sessions is None or width is None:
-        raise InvalidRequest(f"no bucket holds {slots} slots and blocks of {block} tokens "
+    if rows is None or width is None:
+        raise InvalidRequest(f"no bucket holds {sessions} sessions and blocks of {block} tokens "
                              f"(at most {SESSION_BUCKETS[-1]} and {BLOCK_BUCKETS[-1]})")
-    return Bucket(sessions, width)
+    return Bucket(rows, width)
 
 
 class StaticCaches:
@@ -126,8 +129,8 @@ class SlotRows:
 
 class StaticStep:
     """The fixed-shape forward of one bucket over :class:`StaticCaches`: its inputs live in
-    buffers of their own (``tokens``, ``lengths``), :meth:`compute` reads only those (what a CUDA
-    graph captures), :meth:`forward` fills them and returns each slot's logits.
+    buffers of their own (``tokens``, ``slots``, ``lengths``), :meth:`compute` reads only those
+    (what a CUDA graph captures), :meth:`forward` fills them and returns each session's logits.
 
     ``plan``: how the one attention call runs (:data:`~disco.engines.varlen_attention.ONE_CALL_CPU`
     on a CPU, :data:`~disco.engines.varlen_attention.ONE_CALL_CUDA` on CUDA); must be a one-call plan.
@@ -141,39 +144,51 @@ class StaticStep:
         self.lean, self.caches, self.bucket, self.plan = lean, caches, bucket, plan
         device = caches.keys[0].device
         self.tokens = torch.zeros(bucket.sessions, bucket.block, dtype=torch.long, device=device)
-        self.lengths = torch.zeros(bucket.sessions, dtype=torch.long, device=device)
+        self.slots = torch.arange(bucket.sessions, dtype=torch.long, device=device)  # [sessions]: each row's slot
+        self.lengths = torch.zeros(bucket.sessions, dtype=torch.long, device=device)  # [sessions]: its slot's length
         self._offsets = torch.arange(bucket.block, device=device)  # [block]
-        self._slot_of_row = torch.arange(bucket.sessions, device=device)[:, None].expand(-1, bucket.block)
         self._key_slots = torch.arange(caches.capacity, device=device)  # [capacity]
 
     @torch.inference_mode()
     def forward(self, rows: Sequence[SlotRows]) -> list[torch.Tensor]:
-        """Feed each slot's tokens (slots below the bucket's size, at most ``block`` tokens
-        each); returns per slot its logits ``[len(tokens), vocab]`` (float32). The caches'
-        lengths are not advanced: the caller commits what it keeps (``caches.lengths[slot]``)."""
+        """Feed each session's tokens (at most ``bucket.sessions`` sessions in distinct slots, at
+        most ``block`` tokens each); returns per row its logits ``[len(tokens), vocab]`` (float32,
+        a tensor of its own). The caches' lengths are not advanced: the caller commits what it
+        keeps (``caches.lengths[slot]``)."""
         self.fill(rows)
         return self.read(self.compute(), rows)
 
     def fill(self, rows: Sequence[SlotRows]) -> None:
-        """Check the rows and copy them, and every slot's length, into the input buffers."""
-        block, lengths = self.bucket.block, self.caches.lengths
-        tokens = [[0] * block for _ in range(self.bucket.sessions)]
-        for row in rows:
-            if not 0 <= row.slot < self.bucket.sessions or not 1 <= len(row.tokens) <= block:
+        """Check the rows and copy them, each row's slot and every row's slot length into the
+        input buffers; the rows past ``rows`` are padding in other slots (module doc)."""
+        block, lengths, sessions = self.bucket.block, self.caches.lengths, self.bucket.sessions
+        if len(rows) > sessions or len({row.slot for row in rows}) != len(rows):
+            raise InvalidRequest(f"{len(rows)} sessions in slots {[row.slot for row in rows]} do not fit the "
+                                 f"bucket {self.bucket} (one row per slot)")
+        tokens = [[0] * block for _ in range(sessions)]
+        for index, row in enumerate(rows):
+            if not 0 <= row.slot < self.caches.slots or not 1 <= len(row.tokens) <= block:
                 raise InvalidRequest(f"slot {row.slot} with {len(row.tokens)} tokens does not fit the bucket "
                                      f"{self.bucket}")
-            tokens[row.slot][: len(row.tokens)] = row.tokens
-        needed = max(lengths[: self.bucket.sessions]) + block
+            tokens[index][: len(row.tokens)] = row.tokens
+        used = {row.slot for row in rows}
+        padding = sorted((slot for slot in range(self.caches.slots) if slot not in used),
+                         key=lambda slot: (lengths[slot], slot))[: sessions - len(rows)]
+        slots = [row.slot for row in rows] + padding
+        needed = max(lengths[slot] for slot in slots) + block
         if needed > self.caches.capacity:
             raise InvalidRequest(f"a step of {block} tokens after {needed - block} positions passes the slots' "
                                  f"capacity of {self.caches.capacity}")
         self.tokens.copy_(torch.tensor(tokens, dtype=torch.long), non_blocking=True)
-        self.lengths.copy_(torch.tensor(lengths[: self.bucket.sessions], dtype=torch.long), non_blocking=True)
+        self.slots.copy_(torch.tensor(slots, dtype=torch.long), non_blocking=True)
+        self.lengths.copy_(torch.tensor([lengths[slot] for slot in slots], dtype=torch.long), non_blocking=True)
 
     @staticmethod
-    def read(logits: torch.Tensor,  # [sessions, block, vocab]
+    def read(logits: torch.Tensor,  # [sessions, block, vocab]: row i holds rows[i]
              rows: Sequence[SlotRows]) -> list[torch.Tensor]:
-        return [logits[row.slot, : len(row.tokens)].float() for row in rows]
+        """Each row's logits as a float32 tensor of its own: never a view of ``logits``, which a
+        CUDA graph's next replay overwrites while the caller may still be reading."""
+        return [logits[index, : len(row.tokens)].to(torch.float32, copy=True) for index, row in enumerate(rows)]
 
     def compute(self) -> torch.Tensor:  # [sessions, block, vocab] in the head's dtype
         """The step from the input buffers alone (no host value read, fixed shapes)."""
@@ -187,7 +202,7 @@ class StaticStep:
 
     def _layout(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The one call's mask ``[sessions, kv_heads * block * group, 1, capacity]`` (query t of a
-        slot sees its keys up to its own position) and, for the memory-efficient kernel, its bias."""
+        row sees its slot's keys up to its own position) and, for the memory-efficient kernel, its bias."""
         lean, bucket = self.lean, self.bucket
         group = lean.heads // lean.kv_heads
         mask = item_mask(self._key_slots <= positions[:, :, None], lean.kv_heads, group)  # from [sessions, block, capacity]
@@ -197,18 +212,22 @@ class StaticStep:
     def _attend(self, module: torch.nn.Module, query: torch.Tensor,  # [1, heads, rows, dim]
                 key: torch.Tensor, value: torch.Tensor,  # [1, kv_heads, rows, dim]
                 positions: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """Store the step's keys and values at their positions in the slots, then one call."""
+        """Store the step's keys and values at their positions in the rows' slots, then one call
+        over each row's slot gathered from the caches."""
         lean, bucket, plan = self.lean, self.bucket, self.plan
         sessions, block, kv_heads, dim = bucket.sessions, bucket.block, lean.kv_heads, lean.head_dim
         group = lean.heads // kv_heads
         layer = module.layer_idx
         slot_keys, slot_values = self.caches.keys[layer], self.caches.values[layer]
+        slot_of_row = self.slots[:, None].expand(-1, block)  # [sessions, block]
         # [1, kv_heads, rows, dim] -> [sessions, block, kv_heads, dim], written at [slot, :, position]
-        slot_keys[self._slot_of_row, :, positions] = key[0].transpose(0, 1).reshape(sessions, block, kv_heads, dim)
-        slot_values[self._slot_of_row, :, positions] = value[0].transpose(0, 1).reshape(sessions, block, kv_heads, dim)
+        slot_keys[slot_of_row, :, positions] = key[0].transpose(0, 1).reshape(sessions, block, kv_heads, dim)
+        slot_values[slot_of_row, :, positions] = value[0].transpose(0, 1).reshape(sessions, block, kv_heads, dim)
         dtype = plan.compute_dtype or query.dtype
-        items = as_items(query[0], kv_heads, sessions).to(dtype)  # a slot's queries ride in the head dimension
-        keys, values = slot_keys[:sessions].to(dtype), slot_values[:sessions].to(dtype)
+        items = as_items(query[0], kv_heads, sessions).to(dtype)  # a row's queries ride in the head dimension
+        # [sessions, kv_heads, capacity, dim]: each row's slot (the rows' slots are distinct)
+        keys = slot_keys.index_select(0, self.slots).to(dtype)
+        values = slot_values.index_select(0, self.slots).to(dtype)
         if not plan.kernel_gqa and block * group > 1:
             keys = keys.repeat_interleave(block * group, dim=1)
             values = values.repeat_interleave(block * group, dim=1)
