@@ -35,6 +35,23 @@ MAX_STOP_CHARS = 256
 #: the request's stats is then exact as a JSON number in every client (JavaScript included),
 #: so it can be sent back to reproduce the output.
 RANDOM_SEED_BOUND = 2**53
+#: Budgets of the sampling controls (this server's bounds; docs/exactness.md, "Sampling controls"):
+#: each is checked before any work, so a request cannot make the engines build large masks.
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300
+LOGIT_BIAS_LIMIT = 100.0  # |bias| (OpenAI's and vLLM's range)
+MAX_BAD_WORDS = 64  # words; each gives at most two token sequences (with and without a leading space)
+MAX_BAD_WORD_TOKENS = 32  # tokens of one bad word's sequence
+MAX_EOS_TOKEN_IDS = 16
+PENALTY_LIMIT = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's and vLLM's range)
+#: Most likely alternatives a request may ask for per position (``logprobs``, ``prompt_logprobs``):
+#: OpenAI's completions take 5 and its chat 20, vLLM its ``--max-logprobs`` (20 by default).
+MAX_LOGPROBS = 20
+#: Log-probability entries (a position's own token and each alternative count one) a request may
+#: ask for in all: ``(max_new_tokens x (logprobs + 1)) + (prompt tokens x (prompt_logprobs + 1))``.
+#: Checked before any work; it bounds the response (about 20 bytes an entry on the wire, so a
+#: whole result stays far below the 64 MiB the project's clients accept: orchestrator.client).
+MAX_LOGPROB_ENTRIES = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -62,15 +79,45 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # Sampling controls, applied by the draft and the target alike with vLLM's semantics, in
+    # vLLM's order (disco.speculation.logits_processors; docs/exactness.md, "Sampling controls").
+    stop_token_ids: tuple[int, ...] = ()  # end generation (returned in token_ids, not in the text)
+    min_tokens: int = 0  # EOS and stop_token_ids banned (and stop strings not honored) until this many
+    include_stop_str_in_output: bool = False  # the text keeps the stop string / stop token's text
+    repetition_penalty: float = 1.0  # over prompt + output tokens: logit / p if > 0 else logit * p
+    presence_penalty: float = 0.0  # over output tokens: minus p once a token occurred
+    frequency_penalty: float = 0.0  # over output tokens: minus p times its count
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), ids unique
+    min_p: float = 0.0  # after temperature: drop tokens below min_p x the top token's probability
+    bad_words: tuple[str, ...] = ()  # words never completed; tokenized by the loop into bad_words_token_ids
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # the last token banned where the rest precede it
+    # Set by the loop for its sessions, not by clients: the EOS ids that min_tokens bans (with
+    # stop_token_ids), and how many of the session's trailing prompt tokens are output already (a
+    # session re-created after a failure: resumed_after), which the output-token controls count.
+    eos_token_ids: tuple[int, ...] = ()
+    resumed_tokens: int = 0
+    # The target's log-probabilities (raw: log_softmax of its logits before temperature and every
+    # control; disco.speculation.logprobs), computed only when asked. None: not asked.
+    logprobs: int | None = None  # of each generated token, and its this many most likely alternatives
+    prompt_logprobs: int | None = None  # of each prompt token after the first, likewise (prefill)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def has_logits_controls(self) -> bool:
+        """Whether any history-dependent control changes the logits (min_p aside, which warps
+        them with temperature, top-k and top-p): when none does, the engines skip them at no cost."""
+        return bool(self.bad_words_token_ids or self.logit_bias or self.repetition_penalty != 1.0
+                    or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                    or (self.min_tokens > 0 and (self.stop_token_ids or self.eos_token_ids)))
+
     def validate(self, max_new_tokens_limit: int | None = None) -> None:
         """Raise :class:`InvalidRequest` with a precise message if a field is out of range."""
-        if self.max_new_tokens < 1:
-            raise InvalidRequest(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_new_tokens < (0 if self.prompt_logprobs is not None else 1):  # 0: prompt scoring
+            raise InvalidRequest(f"max_new_tokens must be >= 1 (0 only with prompt_logprobs), "
+                                 f"got {self.max_new_tokens}")
         if max_new_tokens_limit is not None and self.max_new_tokens > max_new_tokens_limit:
             raise InvalidRequest(
                 f"max_new_tokens must be <= {max_new_tokens_limit} on this server, "
@@ -92,6 +139,82 @@ class SamplingParams:
             if len(stop) > MAX_STOP_CHARS:
                 raise InvalidRequest(f"stop strings must be at most {MAX_STOP_CHARS} characters long; "
                                      f"stop[{index}] has {len(stop)}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise InvalidRequest(f"{name} must be in [0, {MAX_LOGPROBS}] on this server, got {value}")
+        self._validate_controls()
+
+    def _validate_controls(self) -> None:
+        """The sampling controls' ranges and budgets (vocabulary bounds: :meth:`check_token_ids`)."""
+        _check_ids("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS)
+        _check_ids("eos_token_ids", self.eos_token_ids, MAX_EOS_TOKEN_IDS)
+        if self.resumed_tokens < 0:
+            raise InvalidRequest(f"resumed_tokens must be >= 0, got {self.resumed_tokens}")
+        budget = self.max_new_tokens + self.resumed_tokens  # the request's own max_new_tokens
+        if not 0 <= self.min_tokens <= budget:
+            raise InvalidRequest(f"min_tokens must be in [0, max_new_tokens = {budget}], got {self.min_tokens}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise InvalidRequest(f"repetition_penalty must be a finite number > 0 (1 disables it), "
+                                 f"got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or abs(value) > PENALTY_LIMIT:
+                raise InvalidRequest(f"{name} must be in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}], got {value}")
+        if not math.isfinite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequest(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequest(f"logit_bias: {len(self.logit_bias)} entries, more than the limit of {MAX_LOGIT_BIAS}")
+        _check_ids("logit_bias", [token for token, _ in self.logit_bias], MAX_LOGIT_BIAS)
+        if len({token for token, _ in self.logit_bias}) != len(self.logit_bias):
+            raise InvalidRequest("logit_bias: a token id appears twice")
+        for token, bias in self.logit_bias:
+            if not math.isfinite(bias) or abs(bias) > LOGIT_BIAS_LIMIT:
+                raise InvalidRequest(f"logit_bias: the bias of token {token} must be in "
+                                     f"[-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {bias}")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise InvalidRequest(f"bad_words: {len(self.bad_words)} given, more than the limit of {MAX_BAD_WORDS}")
+        for index, word in enumerate(self.bad_words):
+            if not word.strip():
+                raise InvalidRequest(f"bad_words[{index}] is empty")
+            if len(word) > MAX_STOP_CHARS:
+                raise InvalidRequest(f"bad_words must be at most {MAX_STOP_CHARS} characters long; "
+                                     f"bad_words[{index}] has {len(word)}")
+        if len(self.bad_words_token_ids) > 2 * MAX_BAD_WORDS:
+            raise InvalidRequest(f"bad_words_token_ids: {len(self.bad_words_token_ids)} sequences, more than the "
+                                 f"limit of {2 * MAX_BAD_WORDS}")
+        for index, sequence in enumerate(self.bad_words_token_ids):
+            if not sequence:
+                raise InvalidRequest(f"bad_words_token_ids[{index}] is empty")
+            _check_ids(f"bad_words_token_ids[{index}]", sequence, MAX_BAD_WORD_TOKENS)
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Raise :class:`InvalidRequest` naming the field if a control's token id is outside the
+        model's vocabulary ``[0, vocab_size)`` (the engines and the orchestrator call it before work)."""
+        fields = {"stop_token_ids": self.stop_token_ids, "eos_token_ids": self.eos_token_ids,
+                  "logit_bias": [token for token, _ in self.logit_bias],
+                  "bad_words_token_ids": [token for sequence in self.bad_words_token_ids for token in sequence]}
+        for name, ids in fields.items():
+            outside = [token for token in ids if not 0 <= token < vocab_size]
+            if outside:
+                raise InvalidRequest(f"{name}: token id {outside[0]} is outside the vocabulary [0, {vocab_size})")
+
+    def check_logprob_entries(self, prompt_tokens: int) -> None:
+        """Refuse a request whose log-probabilities (:data:`MAX_LOGPROB_ENTRIES`) would be too
+        many for one response, before any work is done.
+
+        Raises:
+            InvalidRequest: naming the fields and the limit.
+        """
+        entries = 0
+        if self.logprobs is not None:
+            entries += self.max_new_tokens * (self.logprobs + 1)
+        if self.prompt_logprobs is not None:
+            entries += prompt_tokens * (self.prompt_logprobs + 1)
+        if entries > MAX_LOGPROB_ENTRIES:
+            raise InvalidRequest(f"logprobs / prompt_logprobs: (max_new_tokens x (logprobs + 1)) + (prompt tokens x "
+                                 f"(prompt_logprobs + 1)) is {entries}, more than the limit of "
+                                 f"{MAX_LOGPROB_ENTRIES} on this server; ask for fewer")
 
     def seeded(self) -> "SamplingParams":
         """These params with a seed: unchanged when greedy or seeded, else with a random seed
@@ -110,7 +233,21 @@ class SamplingParams:
         """
         if generated <= 0:
             return self
-        return replace(self, max_new_tokens=max(1, self.max_new_tokens - generated))
+        # The committed output becomes the end of the new session's prompt: resumed_tokens says
+        # how much of it is output, so the controls that count output tokens (min_tokens, the
+        # presence / frequency penalties, bad words) see the same history as before the failure.
+        # The prompt's logprobs were returned with the first session: a re-created one skips them.
+        return replace(self, max_new_tokens=max(1, self.max_new_tokens - generated),
+                       resumed_tokens=self.resumed_tokens + generated, prompt_logprobs=None)
+
+
+def _check_ids(name: str, ids, limit: int) -> None:
+    """A list of token ids: at most ``limit``, each a non-negative integer."""
+    if len(ids) > limit:
+        raise InvalidRequest(f"{name}: {len(ids)} token ids, more than the limit of {limit}")
+    for token in ids:
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise InvalidRequest(f"{name}: token ids must be integers >= 0, got {token!r}")
 
 
 @dataclass(frozen=True)

@@ -69,9 +69,25 @@ DraftEvent = Union[DraftToken, DraftSummary]
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """The target's log-probabilities at one position: of the token there (an emitted or a
+    prompt token) and of the position's most likely tokens. Raw: the log_softmax of the
+    target's logits, before temperature, top-k, top-p and every other control (vLLM's default
+    ``raw_logprobs``), :mod:`disco.speculation.logprobs`."""
+
+    logprob: float  # of the position's token
+    rank: int  # of the position's token among all tokens, 1: the most likely
+    top_token_ids: tuple[int, ...] = ()  # the most likely tokens, most likely first (as many as asked)
+    top_logprobs: tuple[float, ...] = ()  # their log-probabilities, in the same order
+
+
+@dataclass(frozen=True)
 class PrefillResult:
     prompt_tokens: int
     elapsed_ns: int
+    # Asked with SamplingParams.prompt_logprobs: one per prompt token after the first (the first
+    # has none: nothing precedes it), in order; else empty.
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -82,6 +98,9 @@ class VerifyResult:
     next_token_id: int
     forward_ns: int  # time in the target forward pass
     elapsed_ns: int  # total server-side time of the call
+    # Asked with SamplingParams.logprobs: one per emitted token (the accepted ones, then the next
+    # token: num_accepted + 1), each from the verification forward's row of its position; else empty.
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 class Drafter(Protocol):

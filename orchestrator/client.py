@@ -24,7 +24,7 @@ raises :class:`DiscoRpcError`, a :class:`grpc.RpcError` with ``code()`` and ``de
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterator, Sequence
 
 import grpc
@@ -35,6 +35,10 @@ from protos.runtime.tls import TlsFiles, aio_channel, secure_channel
 from protos.stats import stats_from_pb
 
 DEFAULT_TIMEOUT_S = 300.0
+#: Largest answer the clients accept: a result with many logprobs exceeds gRPC's 4 MiB default
+#: (the server bounds it: disco.config.MAX_LOGPROB_ENTRIES).
+MAX_RECEIVE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = (("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),)
 
 
 class DiscoRpcError(grpc.RpcError):
@@ -56,12 +60,35 @@ class DiscoRpcError(grpc.RpcError):
 
 
 @dataclass(frozen=True)
+class TopLogprob:
+    """One of a position's most likely tokens (``disco.v1.TopLogprob``)."""
+
+    token_id: int
+    token: str  # the token alone as text, special tokens kept
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's raw log-probabilities at one position (``disco.v1.TokenLogprob``)."""
+
+    token_id: int
+    token: str  # the token alone as text, special tokens kept
+    logprob: float | None  # None: the first prompt token (nothing precedes it)
+    rank: int  # of the token at this position, 1: the most likely (0 with no logprob)
+    top_logprobs: list[TopLogprob]  # the position's most likely tokens, most likely first
+
+
+@dataclass(frozen=True)
 class Chunk:
     """Tokens accepted in one iteration and their text delta."""
 
     token_ids: list[int]
     text: str
     elapsed_ns: int  # server-side time since the request began
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # asked (logprobs=N): one per token
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # asked: the first chunk's, one per prompt token
+    prompt_text: str = ""  # echo: the first chunk's
 
 
 @dataclass(frozen=True)
@@ -73,6 +100,9 @@ class Completion:
     finish_reason: str  # "stop" or "length"
     stats: dict
     elapsed_ns: int  # server-side time of the request
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # asked (logprobs=N): one per token
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # asked (prompt_logprobs=N): one per prompt token
+    prompt_text: str = ""  # echo: the prompt as text
 
 
 def build_request(prompt: str = "", *, prompt_ids: Sequence[int] | None = None, chat: bool = False,
@@ -80,29 +110,58 @@ def build_request(prompt: str = "", *, prompt_ids: Sequence[int] | None = None, 
                   temperature: float = 0.0, top_p: float | None = None, top_k: int = 0, seed: int | None = None,
                   stop: Sequence[str] = (), ignore_eos: bool = False,
                   overlap: bool | None = None,
-                  messages: Sequence[tuple[str, str]] = ()) -> orchestrator_pb2.GenerateRequest:
+                  messages: Sequence[tuple[str, str]] = (), logprobs: int | None = None,
+                  prompt_logprobs: int | None = None, echo: bool = False,
+                  stop_token_ids: Sequence[int] = (), min_tokens: int = 0, include_stop_str_in_output: bool = False,
+                  repetition_penalty: float | None = None, presence_penalty: float = 0.0,
+                  frequency_penalty: float = 0.0, logit_bias: dict[int, float] | None = None, min_p: float = 0.0,
+                  bad_words: Sequence[str] = ()) -> orchestrator_pb2.GenerateRequest:
     """The ``GenerateRequest`` for these arguments (``None``/empty: the server default;
     ``overlap``: overlapped drafting for this request, ``None``: the draft service's setting;
-    ``messages``: a conversation of ``(role, content)`` pairs instead of ``prompt``).
+    ``messages``: a conversation of ``(role, content)`` pairs instead of ``prompt``;
+    ``logprobs`` / ``prompt_logprobs``: the target's log-probabilities of the generated / prompt
+    tokens with this many alternatives each; ``echo``: the prompt's text in the answer;
+    ``stop_token_ids`` ... ``bad_words``: the sampling controls, vLLM's, documented in
+    ``disco.v1.SamplingParams``).
 
     Raises:
         DiscoRpcError: ``INVALID_ARGUMENT`` when a value does not fit its field.
     """
     try:
         sampling = common_pb2.SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                             top_k=top_k, seed=seed, stop=list(stop), ignore_eos=ignore_eos)
+                                             top_k=top_k, seed=seed, stop=list(stop), ignore_eos=ignore_eos,
+                                             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                             stop_token_ids=list(stop_token_ids), min_tokens=min_tokens,
+                                             include_stop_str_in_output=include_stop_str_in_output,
+                                             repetition_penalty=repetition_penalty,
+                                             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                             logit_bias=dict(logit_bias or {}), min_p=min_p,
+                                             bad_words=list(bad_words))
         return orchestrator_pb2.GenerateRequest(prompt=prompt, prompt_ids=list(prompt_ids or ()), chat=chat,
                                                 policy=policy, max_lookahead=max_lookahead, sampling=sampling,
                                                 overlap=overlap, messages=[
                                                     orchestrator_pb2.ChatMessage(role=role, content=content)
-                                                    for role, content in messages])
+                                                    for role, content in messages], echo=echo)
     except (TypeError, ValueError) as error:
         raise DiscoRpcError(grpc.StatusCode.INVALID_ARGUMENT, f"invalid request: {error}") from None
 
 
 def completion_from_pb(message: orchestrator_pb2.GenerateResult) -> Completion:
     return Completion(token_ids=list(message.token_ids), text=message.text, finish_reason=message.finish_reason,
-                      stats=stats_from_pb(message.stats).to_dict(), elapsed_ns=message.elapsed_ns)
+                      stats=stats_from_pb(message.stats).to_dict(), elapsed_ns=message.elapsed_ns,
+                      logprobs=logprobs_from_pb(message.logprobs),
+                      prompt_logprobs=logprobs_from_pb(message.prompt_logprobs), prompt_text=message.prompt_text)
+
+
+def chunk_from_pb(message: orchestrator_pb2.GenerateChunk) -> Chunk:
+    return Chunk(list(message.token_ids), message.text, message.elapsed_ns, logprobs=logprobs_from_pb(message.logprobs),
+                 prompt_logprobs=logprobs_from_pb(message.prompt_logprobs), prompt_text=message.prompt_text)
+
+
+def logprobs_from_pb(messages: Sequence[orchestrator_pb2.TokenLogprob]) -> list[TokenLogprob]:
+    return [TokenLogprob(token_id=m.token_id, token=m.token, logprob=m.logprob if m.HasField("logprob") else None,
+                         rank=m.rank, top_logprobs=[TopLogprob(t.token_id, t.token, t.logprob) for t in m.top_logprobs])
+            for m in messages]
 
 
 def info_to_dict(message: orchestrator_pb2.InfoResponse) -> dict:
@@ -139,7 +198,7 @@ class GenerationStream:
         try:
             for message in self._call:
                 if message.WhichOneof("event") == "chunk":
-                    yield Chunk(list(message.chunk.token_ids), message.chunk.text, message.chunk.elapsed_ns)
+                    yield chunk_from_pb(message.chunk)
                 else:
                     self.result = completion_from_pb(message.result)
         except grpc.RpcError as error:
@@ -178,7 +237,8 @@ class DiscoClient:
                  auth_token: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
-        self._channel = secure_channel(address, client_tls(tls_ca, tls_cert, tls_key, tls_server_name))
+        self._channel = secure_channel(address, client_tls(tls_ca, tls_cert, tls_key, tls_server_name),
+                                       CHANNEL_OPTIONS)
         self._stub = orchestrator_pb2_grpc.OrchestratorStub(self._channel)
         self._metadata = auth_metadata(auth_token_from_env(auth_token))
 
@@ -225,7 +285,7 @@ class AsyncGenerationStream:
         try:
             async for message in self._call:
                 if message.WhichOneof("event") == "chunk":
-                    yield Chunk(list(message.chunk.token_ids), message.chunk.text, message.chunk.elapsed_ns)
+                    yield chunk_from_pb(message.chunk)
                 else:
                     self.result = completion_from_pb(message.result)
         except grpc.RpcError as error:
@@ -247,7 +307,7 @@ class AsyncDiscoClient:
                  auth_token: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
-        self._channel = aio_channel(address, client_tls(tls_ca, tls_cert, tls_key, tls_server_name))
+        self._channel = aio_channel(address, client_tls(tls_ca, tls_cert, tls_key, tls_server_name), CHANNEL_OPTIONS)
         self._stub = orchestrator_pb2_grpc.OrchestratorStub(self._channel)
         self._metadata = auth_metadata(auth_token_from_env(auth_token))
 
@@ -280,4 +340,5 @@ class AsyncDiscoClient:
         await self.close()
 
 
-__all__ = ["AsyncDiscoClient", "Chunk", "Completion", "DiscoClient", "DiscoRpcError", "GenerationStream"]
+__all__ = ["AsyncDiscoClient", "Chunk", "Completion", "DiscoClient", "DiscoRpcError", "GenerationStream",
+           "TokenLogprob", "TopLogprob"]

@@ -165,12 +165,15 @@ class FailoverDrafter(_StickySession):
     _policy_spec: str
     _reference_ids: list[int] | None
     _overlap: bool | None
+    _started_with: int  # length of the prompt the loop started the session with
 
     def _make_client(self, replica: Replica) -> RemoteDrafter:
         return RemoteDrafter(replica.channel, replica.address, self.scope)
 
     def _start(self, client: RemoteDrafter, backend_id: str) -> PrefillResult:
-        done = len(self.track.generated)
+        # The tokens committed since the loop's start_session (whose sampling already counts the
+        # ones before): a draft session the loop re-starts may follow a track it did not reset.
+        done = len(self.track.committed()) - self._started_with
         sampling = self._sampling.resumed_after(done)
         return client.start_session(backend_id, self.track.committed(), sampling, self._policy_spec,
                                     self._reference_ids if not done else None, overlap=self._overlap)
@@ -182,6 +185,7 @@ class FailoverDrafter(_StickySession):
         # prompt ids (a first start follows the target's; a re-start passes the committed ones).
         self._restart(session_id)
         self._sampling, self._policy_spec, self._overlap = sampling, policy_spec, overlap
+        self._started_with = len(prompt_ids)
         self._reference_ids = list(reference_ids) if reference_ids is not None else None
         if self.track.committed() != list(prompt_ids):
             self.track.prompt_ids, self.track.generated = list(prompt_ids), []

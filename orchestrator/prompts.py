@@ -80,7 +80,8 @@ class Tokenizers:
     own (``copy.deepcopy``: a new Rust tokenizer; for a 150k-token vocabulary about 0.7 s
     and 32 MB each, made once, here):
 
-    * streams decode a few tokens per call on one copy, under a lock;
+    * streams decode a few tokens per call on one copy, under a lock (as do the token texts
+      of logprobs and an echoed prompt, :meth:`token_texts` and :meth:`render`);
     * prompts up to :data:`SHORT_PROMPT_BYTES` are encoded on one copy, under a lock;
     * longer ones on one of :data:`LONG_PROMPT_ENCODERS` copies, waiting while all are busy.
 
@@ -88,8 +89,10 @@ class Tokenizers:
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, long_encoders: int = LONG_PROMPT_ENCODERS) -> None:
-        self._decode = make_decode(copy.deepcopy(tokenizer))
+        self._decoder = copy.deepcopy(tokenizer)
+        self._decode = make_decode(self._decoder)
         self._decode_lock = threading.Lock()
+        self._token_texts: dict[int, str] = {}  # at most the vocabulary
         self._short = copy.deepcopy(tokenizer)
         self._short_lock = threading.Lock()
         self._long: queue.SimpleQueue[PreTrainedTokenizerBase] = queue.SimpleQueue()
@@ -112,3 +115,18 @@ class Tokenizers:
     def decode(self, token_ids: Sequence[int]) -> str:
         with self._decode_lock:
             return self._decode(token_ids)
+
+    def render(self, token_ids: Sequence[int]) -> str:
+        """The ids as text with their special tokens (an echoed prompt given as ids)."""
+        with self._decode_lock:
+            return self._decoder.decode(list(token_ids), skip_special_tokens=False)
+
+    def token_texts(self, token_ids: Sequence[int]) -> list[str]:
+        """Each id alone as text, special tokens kept: how vLLM renders the tokens of logprobs
+        (a token inside a multi-byte character gives U+FFFD). Cached per id."""
+        missing = {token for token in token_ids if token not in self._token_texts}
+        if missing:
+            with self._decode_lock:
+                for token in missing:
+                    self._token_texts[token] = self._decoder.decode([token], skip_special_tokens=False) or ""
+        return [self._token_texts[token] for token in token_ids]

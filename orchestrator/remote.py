@@ -175,8 +175,7 @@ class RemoteVerifier:
             draft_probs=[convert.distribution_to_pb(row) for row in draft_probs] if draft_probs is not None else [])
         response = self._scope.call(lambda timeout: self._stub.Verify(request, timeout=timeout),
                                     self._service)
-        return VerifyResult(num_accepted=response.num_accepted, next_token_id=response.bonus_token_id,
-                            forward_ns=response.forward_ns, elapsed_ns=response.elapsed_ns)
+        return convert.verify_from_pb(response)
 
     def end_session(self, session_id: str) -> None:
         request = common_pb2.EndSessionRequest(session_id=session_id)

@@ -14,7 +14,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import grpc
 from transformers import PreTrainedTokenizerBase
@@ -23,11 +23,13 @@ import disco
 from disco.config import DEFAULT_MAX_LOOKAHEAD, MAX_LOOKAHEAD_LIMIT, SamplingParams, SpeculationConfig
 from disco.engines.in_process import encode_messages, encode_prompt
 from disco.errors import DiscoError, InvalidRequest, ResourceExhausted
+from disco.interfaces import TokenLogprobs
 from disco.speculation.loop import GenerationEvent, GenerationResult, SpeculativeGenerator, TokenChunk
 from disco.speculation.policies import POLICY_INFOS, parse_policy_spec, reads_costs
 from orchestrator.backends import Backends
 from orchestrator.degrade import DegradingDrafter, UnreachableDrafter, draft_check
 from orchestrator.failover import FailoverDrafter, FailoverVerifier
+from orchestrator.logprobs import logprobs_to_pb, prompt_logprobs_to_pb
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.prompts import (MIN_PROMPT_BYTES, Tokenizers, check_fits_context, check_prompt_bytes,
                                   default_prompt_byte_limit, prompt_bytes)
@@ -77,19 +79,55 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     def Generate(self, request: orchestrator_pb2.GenerateRequest,
                  context: grpc.ServicerContext) -> Iterator[orchestrator_pb2.GenerateResponse]:
         started = time.perf_counter_ns()
-        for event in self._generate(request, context):
+        prompt_ids, sampling, speculation = self._parse(request)
+        prompt_fields: dict[str, Any] | None = None  # the prompt's logprobs and text: first chunk and result
+        for event in self._generate(prompt_ids, sampling, speculation, context):
+            first = prompt_fields is None
+            if first:
+                prompt_fields = self._prompt_fields(request, prompt_ids, sampling, event.prompt_logprobs)
             if isinstance(event, TokenChunk):
-                chunk = orchestrator_pb2.GenerateChunk(token_ids=event.token_ids, text=event.text,
-                                                       elapsed_ns=convert.elapsed_ns(started))
+                chunk = orchestrator_pb2.GenerateChunk(
+                    token_ids=event.token_ids, text=event.text, elapsed_ns=convert.elapsed_ns(started),
+                    logprobs=self._logprobs_pb(event.token_ids, event.logprobs, sampling),
+                    **(prompt_fields if first else {}))
                 yield orchestrator_pb2.GenerateResponse(chunk=chunk)
             else:
-                yield orchestrator_pb2.GenerateResponse(result=_result_pb(event, started))
+                yield orchestrator_pb2.GenerateResponse(result=self._result_pb(event, started, sampling, prompt_fields))
 
     def GenerateUnary(self, request: orchestrator_pb2.GenerateRequest,
                       context: grpc.ServicerContext) -> orchestrator_pb2.GenerateResult:
         started = time.perf_counter_ns()
-        events = list(self._generate(request, context))
-        return _result_pb(events[-1], started)
+        prompt_ids, sampling, speculation = self._parse(request)
+        result = list(self._generate(prompt_ids, sampling, speculation, context))[-1]
+        assert isinstance(result, GenerationResult)
+        prompt_fields = self._prompt_fields(request, prompt_ids, sampling, result.prompt_logprobs)
+        return self._result_pb(result, started, sampling, prompt_fields)
+
+    def _result_pb(self, result: GenerationResult, started_ns: int, sampling: SamplingParams,
+                   prompt_fields: dict[str, Any] | None) -> orchestrator_pb2.GenerateResult:
+        return orchestrator_pb2.GenerateResult(
+            token_ids=result.token_ids, text=result.text, finish_reason=result.finish_reason,
+            stats=stats_to_pb(result.stats), elapsed_ns=convert.elapsed_ns(started_ns),
+            logprobs=self._logprobs_pb(result.token_ids, result.logprobs, sampling), **(prompt_fields or {}))
+
+    def _logprobs_pb(self, token_ids: list[int], entries: tuple[TokenLogprobs, ...],
+                     sampling: SamplingParams) -> list[orchestrator_pb2.TokenLogprob]:
+        """The generated tokens' logprobs with their texts (asked: ``sampling.logprobs``)."""
+        if sampling.logprobs is None:
+            return []
+        return logprobs_to_pb(token_ids, entries, self._tokenizers.token_texts)
+
+    def _prompt_fields(self, request: orchestrator_pb2.GenerateRequest, prompt_ids: list[int],
+                       sampling: SamplingParams, entries: tuple[TokenLogprobs, ...]) -> dict[str, Any]:
+        """What the first chunk and the result say about the prompt: its logprobs (asked:
+        ``sampling.prompt_logprobs``) and, with ``echo``, its text (as given, or decoded)."""
+        fields: dict[str, Any] = {}
+        if sampling.prompt_logprobs is not None:
+            fields["prompt_logprobs"] = prompt_logprobs_to_pb(prompt_ids, entries, self._tokenizers.token_texts)
+        if request.echo:
+            as_text = not request.prompt_ids and not request.messages and not request.chat
+            fields["prompt_text"] = request.prompt if as_text else self._tokenizers.render(prompt_ids)
+        return fields
 
     def Info(self, request: orchestrator_pb2.InfoRequest,
              context: grpc.ServicerContext) -> orchestrator_pb2.InfoResponse:
@@ -114,13 +152,13 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         response.elapsed_ns = convert.elapsed_ns(started)
         return response
 
-    def _generate(self, request: orchestrator_pb2.GenerateRequest,
+    def _generate(self, prompt_ids: list[int], sampling: SamplingParams, speculation: SpeculationConfig,
                   context: grpc.ServicerContext) -> Iterator[GenerationEvent]:
-        """The loop's events for one request, run against both backends."""
-        prompt_ids, sampling, speculation = self._parse(request)
+        """The loop's events for one request (as :meth:`_parse` gives it), run against both backends."""
         with self._admitted():
             target = self.backends.target_info()
             check_fits_context(len(prompt_ids), sampling.max_new_tokens, target.max_context)
+            sampling.check_token_ids(target.vocab_size)  # the controls' token ids, before any work
             draft_down = draft_check(self.backends, speculation.policy)  # down: serve target-only
             remaining = context.time_remaining()
             scope = CallScope(None if remaining is None or remaining > _NO_DEADLINE_S
@@ -135,7 +173,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                                              explore_draft=costs is not None and not draft_down
                                              and self.backends.draft_unobserved(),
                                              costs_now=None if costs is None else
-                                             lambda: self.backends.costs(self._active))
+                                             lambda: self.backends.costs(self._active),
+                                             encode=self._encode_words)
             events = generator.stream(prompt_ids, sampling, speculation)
             yield from self.metrics.observe(_with_failovers(events, sticky_drafter, verifier))
 
@@ -149,6 +188,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             raise InvalidRequest(f"policy {name!r} is for analysis in process only (`disco generate` without "
                                  "--server); it is not served over gRPC")
         sampling = convert.sampling_from_pb(request.sampling)
+        if sampling.eos_token_ids or sampling.resumed_tokens:
+            raise InvalidRequest("sampling.eos_token_ids and sampling.resumed_tokens are set by the orchestrator for "
+                                 "its backends; a request must leave them unset")
         # Validated here too (the loop does it again) so that a bad request is refused
         # with INVALID_ARGUMENT even while a backend is down.
         sampling.validate(self.limits.max_new_tokens)
@@ -163,7 +205,13 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 prompt_ids = (encode_messages(tokenizer, messages) if messages
                               else encode_prompt(tokenizer, request.prompt, request.chat))
         convert.check_prompt_length(len(prompt_ids), self.limits.max_prompt_tokens)
+        sampling.check_logprob_entries(len(prompt_ids))
         return prompt_ids, sampling, speculation
+
+    def _encode_words(self, text: str) -> list[int]:
+        """A short text's token ids without special tokens (a request's bad words)."""
+        with self._tokenizers.encoder(len(text.encode())) as tokenizer:
+            return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _prompt_byte_limit(self, size: int) -> int:
         """The byte limit a prompt of ``size`` bytes is held to (the target is asked for its
@@ -202,8 +250,3 @@ def _with_failovers(events: Iterator[GenerationEvent], drafter: FailoverDrafter,
             event.stats.draft_reprefills += drafter.failovers
         yield event
 
-
-def _result_pb(result: GenerationResult, started_ns: int) -> orchestrator_pb2.GenerateResult:
-    return orchestrator_pb2.GenerateResult(
-        token_ids=result.token_ids, text=result.text, finish_reason=result.finish_reason,
-        stats=stats_to_pb(result.stats), elapsed_ns=convert.elapsed_ns(started_ns))

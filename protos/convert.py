@@ -17,7 +17,8 @@ import disco
 from disco.config import MAX_LOOKAHEAD_LIMIT, SamplingParams
 from disco.engines.sessions import SessionLimits
 from disco.errors import InvalidRequest
-from disco.interfaces import DraftEvent, DraftSummary, DraftToken, Feedback, PrefillResult
+from disco.interfaces import (DraftEvent, DraftSummary, DraftToken, Feedback, PrefillResult, TokenLogprobs,
+                              VerifyResult)
 from disco.models.loading import LoadedModel
 from protos.disco.v1 import common_pb2, draft_pb2, target_pb2
 
@@ -55,7 +56,21 @@ def elapsed_ns(started_ns: int) -> int:
 def sampling_to_pb(sampling: SamplingParams) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(
         max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-        top_k=sampling.top_k, seed=sampling.seed, stop=list(sampling.stop), ignore_eos=sampling.ignore_eos)
+        top_k=sampling.top_k, seed=sampling.seed, stop=list(sampling.stop), ignore_eos=sampling.ignore_eos,
+        logprobs=sampling.logprobs, prompt_logprobs=sampling.prompt_logprobs,
+        **_controls_to_pb(sampling))
+
+
+def _controls_to_pb(sampling: SamplingParams) -> dict:
+    """The sampling controls' fields of a ``SamplingParams`` message (defaults left out)."""
+    return dict(
+        stop_token_ids=list(sampling.stop_token_ids), min_tokens=sampling.min_tokens,
+        include_stop_str_in_output=sampling.include_stop_str_in_output,
+        repetition_penalty=None if sampling.repetition_penalty == 1.0 else sampling.repetition_penalty,
+        presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
+        logit_bias=dict(sampling.logit_bias), min_p=sampling.min_p, bad_words=list(sampling.bad_words),
+        bad_words_token_ids=[common_pb2.TokenSequence(token_ids=list(ids)) for ids in sampling.bad_words_token_ids],
+        eos_token_ids=list(sampling.eos_token_ids), resumed_tokens=sampling.resumed_tokens)
 
 
 def sampling_from_pb(message: common_pb2.SamplingParams) -> SamplingParams:
@@ -70,6 +85,21 @@ def sampling_from_pb(message: common_pb2.SamplingParams) -> SamplingParams:
         seed=message.seed if message.HasField("seed") else None,
         stop=tuple(message.stop),
         ignore_eos=message.ignore_eos,
+        logprobs=message.logprobs if message.HasField("logprobs") else None,
+        prompt_logprobs=message.prompt_logprobs if message.HasField("prompt_logprobs") else None,
+        stop_token_ids=tuple(message.stop_token_ids),
+        min_tokens=message.min_tokens,
+        include_stop_str_in_output=message.include_stop_str_in_output,
+        repetition_penalty=message.repetition_penalty if message.HasField("repetition_penalty")
+        else _DEFAULT_SAMPLING.repetition_penalty,
+        presence_penalty=message.presence_penalty,
+        frequency_penalty=message.frequency_penalty,
+        logit_bias=tuple(sorted(message.logit_bias.items())),
+        min_p=message.min_p,
+        bad_words=tuple(message.bad_words),
+        bad_words_token_ids=tuple(tuple(sequence.token_ids) for sequence in message.bad_words_token_ids),
+        eos_token_ids=tuple(message.eos_token_ids),
+        resumed_tokens=message.resumed_tokens,
     )
 
 
@@ -165,11 +195,37 @@ def feedback_from_pb(message: common_pb2.Feedback) -> Feedback:
 
 
 def prefill_to_pb(result: PrefillResult) -> common_pb2.StartSessionResponse:
-    return common_pb2.StartSessionResponse(prompt_tokens=result.prompt_tokens, elapsed_ns=result.elapsed_ns)
+    return common_pb2.StartSessionResponse(prompt_tokens=result.prompt_tokens, elapsed_ns=result.elapsed_ns,
+                                           prompt_logprobs=token_logprobs_to_pb(result.prompt_logprobs))
 
 
 def prefill_from_pb(message: common_pb2.StartSessionResponse) -> PrefillResult:
-    return PrefillResult(prompt_tokens=message.prompt_tokens, elapsed_ns=message.elapsed_ns)
+    return PrefillResult(prompt_tokens=message.prompt_tokens, elapsed_ns=message.elapsed_ns,
+                         prompt_logprobs=token_logprobs_from_pb(message.prompt_logprobs))
+
+
+def token_logprobs_to_pb(entries: Sequence[TokenLogprobs]) -> list[common_pb2.TokenLogprobs]:
+    return [common_pb2.TokenLogprobs(logprob=entry.logprob, rank=entry.rank, top_token_ids=entry.top_token_ids,
+                                     top_logprobs=entry.top_logprobs) for entry in entries]
+
+
+def token_logprobs_from_pb(messages: Sequence[common_pb2.TokenLogprobs]) -> tuple[TokenLogprobs, ...]:
+    return tuple(TokenLogprobs(logprob=message.logprob, rank=message.rank,
+                               top_token_ids=tuple(message.top_token_ids), top_logprobs=tuple(message.top_logprobs))
+                 for message in messages)
+
+
+def verify_to_pb(verdict: VerifyResult, started_ns: int) -> target_pb2.VerifyResponse:
+    """``started_ns``: when the server began handling the call (:func:`elapsed_ns`)."""
+    return target_pb2.VerifyResponse(num_accepted=verdict.num_accepted, bonus_token_id=verdict.next_token_id,
+                                     forward_ns=verdict.forward_ns, elapsed_ns=elapsed_ns(started_ns),
+                                     logprobs=token_logprobs_to_pb(verdict.logprobs))
+
+
+def verify_from_pb(message: target_pb2.VerifyResponse) -> VerifyResult:
+    return VerifyResult(num_accepted=message.num_accepted, next_token_id=message.bonus_token_id,
+                        forward_ns=message.forward_ns, elapsed_ns=message.elapsed_ns,
+                        logprobs=token_logprobs_from_pb(message.logprobs))
 
 
 def draft_event_to_pb(event: DraftEvent, elapsed: int) -> draft_pb2.DraftEvent:

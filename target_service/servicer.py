@@ -64,8 +64,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             vocab_size=self.engine.vocab_size)
         verdict = self.engine.verify(session, list(request.draft_token_ids), draft_probs,
                                      expected_length=expected_length)
-        return target_pb2.VerifyResponse(num_accepted=verdict.num_accepted, bonus_token_id=verdict.next_token_id,
-                                         forward_ns=verdict.forward_ns, elapsed_ns=convert.elapsed_ns(started))
+        return convert.verify_to_pb(verdict, started)
 
     def EndSession(self, request: common_pb2.EndSessionRequest,
                    context: grpc.ServicerContext) -> common_pb2.EndSessionResponse:

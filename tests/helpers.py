@@ -5,7 +5,7 @@ import time
 
 from disco.config import SamplingParams, SpeculationConfig
 from disco.engines.draft import DraftEngine
-from disco.engines.in_process import make_decode
+from disco.engines.in_process import make_decode, make_encode
 from disco.engines.target import TargetEngine
 from disco.speculation.loop import SpeculativeGenerator
 from disco.speculation.policies import PolicyFactory
@@ -24,7 +24,8 @@ ALL_POLICIES = ("static:1", "static:3", "static:7", "heuristic:2", "confidence:0
 
 def local_generator(target, draft, tokenizer, policy_factory=None, eos=(EOS_ID,)):
     drafter = DraftEngine(draft, policy_factory or PolicyFactory()) if draft is not None else None
-    return SpeculativeGenerator(drafter, TargetEngine(target), make_decode(tokenizer), eos)
+    return SpeculativeGenerator(drafter, TargetEngine(target), make_decode(tokenizer), eos,
+                                encode=make_encode(tokenizer))
 
 
 def generate_at_once(generator: SpeculativeGenerator, jobs, sampling: SamplingParams, timeout_s: float = 120):

@@ -172,11 +172,11 @@ BAD = [
     ("completions", dict(prompt=""), "prompt", "prompt is empty"),
     ("completions", dict(prompt=["a", "b"]), "prompt", "one prompt"),
     ("completions", dict(n=2), "n", "not supported yet"),
-    ("completions", dict(max_tokens=-1), "max_tokens", "greater than or equal to 1"),
+    ("completions", dict(max_tokens=-1), "max_tokens", "greater than or equal to 0"),  # 0: echo (prompt scoring)
     ("completions", dict(policy="bogus:1"), "policy", "unknown policy 'bogus'"),  # gRPC INVALID_ARGUMENT
     ("completions", dict(policy="bogus:1", stream=True), "policy", "unknown policy 'bogus'"),
     ("completions", dict(temperature=-0.5), "temperature", "greater than or equal to 0"),
-    ("completions", dict(logprobs=2), "logprobs", "not supported"),
+    ("completions", dict(logprobs=21), "logprobs", "less than or equal to 20"),
     ("completions", dict(stream_options={"include_usage": True}), None, "only allowed with stream"),
     ("chat", dict(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]),
      "messages", "last message must have role 'user'"),

@@ -105,21 +105,19 @@ def refused(stack, route, **fields):
 
 #: A value of each field that is not supported yet that is NOT its neutral one.
 SHARED_VALUES = {
-    "n": 2, "best_of": 2, "frequency_penalty": 0.5, "presence_penalty": -0.5, "repetition_penalty": 1.2,
-    "logit_bias": {"5": 10}, "min_p": 0.1, "min_tokens": 4, "stop_token_ids": [5],
-    "include_stop_str_in_output": True, "bad_words": ["x"], "allowed_token_ids": [1, 2], "use_beam_search": True,
+    "n": 2, "best_of": 2, "allowed_token_ids": [1, 2], "use_beam_search": True,
     "length_penalty": 0.5, "skip_special_tokens": False, "spaces_between_special_tokens": False,
-    "truncate_prompt_tokens": 4, "prompt_logprobs": 1, "echo": True, "response_format": {"type": "json_object"},
+    "truncate_prompt_tokens": 4, "response_format": {"type": "json_object"},
     "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a", "b"],
     "guided_grammar": 'root ::= "a"', "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ",
     "structural_tag": "{}", "structured_outputs": {"regex": "a+"}, "logits_processors": ["pkg.Processor"],
     "return_tokens_as_token_ids": True, "return_token_ids": True, "priority": 1, "kv_transfer_params": {"a": 1},
     "vllm_xargs": {"a": 1}, "mm_processor_kwargs": {"a": 1},
 }
-COMPLETION_VALUES = {**SHARED_VALUES, "logprobs": 0, "suffix": "x", "prompt_embeds": "AAAA",
+COMPLETION_VALUES = {**SHARED_VALUES, "suffix": "x", "prompt_embeds": "AAAA",
                      "add_special_tokens": False}
 CHAT_VALUES = {
-    **SHARED_VALUES, "logprobs": True, "top_logprobs": 2,
+    **SHARED_VALUES, "echo": True,
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
     "tool_choice": "auto", "functions": [{"name": "f"}], "function_call": "auto",
     "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],

@@ -24,6 +24,7 @@ from disco.engines.static_runner import static_runner_for
 from disco.errors import InvalidRequest, ModelError, SessionMismatch, SessionNotFound
 from disco.interfaces import DraftEvent, DraftSummary, DraftToken, Feedback, PrefillResult
 from disco.speculation.policies import Decision, PolicyFactory, StopPolicy, block_budget
+from disco.speculation.logits_processors import apply_logits_controls
 from disco.speculation.sampling import gumbel_sample, logits_to_probs, to_host
 from disco.speculation.signals import NUM_SIGNAL_VALUES, TokenSignals, signal_values, signals_from_values
 
@@ -46,6 +47,7 @@ class DraftSession:
     closed: bool = False  # ended: no pre-draft may start any more
     predraft_guard: threading.Lock = field(default_factory=threading.Lock)  # predraft/closed vs end_session
     session_id: str = ""  # its key in the engine's store (KV reservations grow by it)
+    output_start: int = 0  # index of the first output token in sequence.tokens (the sampling controls count from it)
 
 
 @dataclass
@@ -109,6 +111,10 @@ class DraftEngine:
             if any(not 0 <= token < vocab_size for token in ids):
                 raise InvalidRequest(f"{name} token ids must be in [0, {vocab_size})")
         sampling.validate()
+        sampling.check_token_ids(vocab_size)
+        if sampling.resumed_tokens >= len(prompt_ids):
+            raise InvalidRequest(f"resumed_tokens ({sampling.resumed_tokens}) must be less than the prompt's "
+                                 f"{len(prompt_ids)} tokens")
         self.sessions.check_capacity()  # before building the policy (it may load an artifact)
         policy = self.policy_factory.build(policy_spec, reference_ids)
         # Admitted (count and KV bytes of every token it can reach) before paying for a prefill.
@@ -124,6 +130,7 @@ class DraftEngine:
                 sampling=sampling.seeded(),
                 overlap=self.overlap if overlap is None else overlap,
                 session_id=session_id,
+                output_start=len(prompt_ids) - sampling.resumed_tokens,
             )
             self.batcher.prefill(session.sequence)  # batched with concurrent prefills
             self.sessions.add(session_id, session)
@@ -287,7 +294,8 @@ class DraftEngine:
         room = self.max_context - len(session.sequence) - 1  # the guess takes one position
         predraft = Predraft(session.sequence, session.policy, session.block_size, max_lookahead, room, self.batcher,
                             lambda policy, position: self._step(session, policy, position),
-                            lambda logits, position: int(self._choose(session.sampling, position, logits, False)[0]),
+                            lambda logits, position: int(self._choose(
+                                session.sampling, position, self._controlled(session, logits[None])[0], False)[0]),
                             name=f"predraft-{session_id}")
         with session.predraft_guard:
             if session.closed:
@@ -315,7 +323,9 @@ class DraftEngine:
         # Greedy with signals: the token's probability is the signals' (one softmax serves both).
         want_prob = not (policy.needs_signals and session.sampling.is_greedy)
         # The token goes at absolute position len(sequence.tokens): its noise's key when sampling.
-        token, prob = self._choose(session.sampling, len(sequence.tokens), logits[0], want_prob)
+        # The token is chosen under the request's sampling controls; the signals read the raw logits.
+        token, prob = self._choose(session.sampling, len(sequence.tokens), self._controlled(session, logits)[0],
+                                   want_prob)
         parts = [token.float().reshape(1), prob.reshape(1) if prob is not None else logits.new_full((1,), float("nan"))]
         if policy.needs_signals:
             parts.append(signal_values(logits[0], token))  # [NUM_SIGNAL_VALUES]
@@ -334,6 +344,15 @@ class DraftEngine:
                 draft_prob = signals.token_prob
         token = DraftToken(token_id=token_id, draft_prob=draft_prob)
         return token, policy.after_token(position, token.token_id, signals), signals
+
+    @staticmethod
+    def _controlled(session: DraftSession,
+                    logits: torch.Tensor,  # [1, vocab] at the position after the session's tokens
+                    ) -> torch.Tensor:  # [1, vocab]
+        """The request's sampling controls applied with the session's history, as the target
+        applies them at that position (:mod:`disco.speculation.logits_processors`)."""
+        tokens = session.sequence.tokens
+        return apply_logits_controls(logits, session.sampling, tokens, len(tokens), session.output_start)
 
     @staticmethod
     def _choose(sampling: SamplingParams, position: int,

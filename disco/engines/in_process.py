@@ -16,6 +16,7 @@ from disco.errors import InvalidRequest
 from disco.models.loading import LoadedModel, check_same_vocabulary, load_model
 from disco.speculation.cost_model import CostModel
 from disco.speculation.detokenize import Decode
+from disco.speculation.logits_processors import Encode
 from disco.speculation.loop import SpeculativeGenerator
 from disco.speculation.policies import PolicyFactory
 from disco.speculation.policies.spec import LearnedPolicyLoader
@@ -35,6 +36,13 @@ def make_decode(tokenizer: PreTrainedTokenizerBase) -> Decode:
     def decode(token_ids: Sequence[int]) -> str:
         return tokenizer.decode(list(token_ids), skip_special_tokens=True)
     return decode
+
+
+def make_encode(tokenizer: PreTrainedTokenizerBase) -> Encode:
+    """Text -> token ids without special tokens (a request's bad words)."""
+    def encode(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return encode
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, chat: bool) -> list[int]:
@@ -109,6 +117,7 @@ def build_local_pipeline(pair: PairConfig, home: Path, need_draft: bool = True,
         eos_token_ids=target.eos_token_ids,
         max_new_tokens_limit=max_new_tokens_limit,
         costs=costs,
+        encode=make_encode(target.tokenizer),
     )
     return LocalPipeline(generator=generator, tokenizer=target.tokenizer, target=target, draft=draft)
 
@@ -121,7 +130,7 @@ def _measured_costs(pair: PairConfig, target: LoadedModel, draft: LoadedModel, h
                                       engine_costs.measure_loaded(draft, pair.draft, "draft", home))
 
 
-__all__ = ["LocalPipeline", "build_local_pipeline", "encode_prompt", "make_decode", "ModelConfig"]
+__all__ = ["LocalPipeline", "build_local_pipeline", "encode_prompt", "make_decode", "make_encode", "ModelConfig"]
 
 
 def with_overlap(pipeline: LocalPipeline, overlap: bool) -> SpeculativeGenerator:
@@ -131,7 +140,7 @@ def with_overlap(pipeline: LocalPipeline, overlap: bool) -> SpeculativeGenerator
     drafter = _drafter(pipeline.draft, overlap) if pipeline.draft is not None else None
     return SpeculativeGenerator(drafter=drafter, verifier=base.verifier, decode=base.decode,
                                 eos_token_ids=base.eos_token_ids, max_new_tokens_limit=base.max_new_tokens_limit,
-                                costs=base.costs)
+                                costs=base.costs, encode=base.encode)
 
 
 def _drafter(draft: LoadedModel, overlap: bool) -> DraftEngine:

@@ -76,19 +76,31 @@ class CachedSequence:
             self.step(0)
 
     @torch.inference_mode()
+    def prefill_hidden(self) -> torch.Tensor:
+        """:meth:`prefill`, returning the last hidden states (what the LM head reads, in the
+        model's dtype) of every position it fed ``[fed, hidden]``: the prompt's log-probabilities
+        are the LM head over them (:func:`disco.speculation.logprobs.prompt_logprobs`)."""
+        if len(self.tokens) - 1 <= self.cache_len:
+            return torch.empty(0, int(self.model.config.get_text_config().hidden_size), device=self.device)
+        hidden = self.step(0, want_hidden=True)[1]
+        assert hidden is not None
+        return hidden
+
+    @torch.inference_mode()
     def step(self, num_logits: int, want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This sequence's forward alone: :meth:`forward` for ``num_logits >= 1``, a
-        :meth:`prefill` for 0 (then empty logits). The one place an unpacked HF forward runs
+        :meth:`prefill` for 0 (then empty logits, and with ``want_hidden`` the hidden states of
+        every fed position, as :meth:`prefill_hidden`). The one place an unpacked HF forward runs
         (models without a packed forward, :func:`supports_packing`)."""
         if self.packed:
             return self.forward_batch([self], [num_logits], [want_hidden])[0]
         end = len(self.tokens) - 1 if num_logits == 0 else len(self.tokens)
         input_ids = torch.tensor([self.tokens[self.cache_len:end]], dtype=torch.long, device=self.device)
         output = self.model(input_ids=input_ids, cache=self.cache, use_cache=True,
-                            logits_to_keep=max(1, num_logits), output_hidden_states=want_hidden and num_logits > 0)
+                            logits_to_keep=max(1, num_logits), output_hidden_states=want_hidden)
         self.cache_len = end
         if num_logits == 0:
-            return torch.empty(0), None
+            return torch.empty(0), output.hidden_states[-1][0] if want_hidden else None
         hidden = output.hidden_states[-1][0, -num_logits:].float() if want_hidden else None
         return output.logits[0, -num_logits:].float(), hidden
 

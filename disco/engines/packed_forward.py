@@ -76,7 +76,8 @@ class SessionRows:
         cache_len: tokens the cache covers before this forward.
         tokens: the tokens to feed.
         num_logits: logits wanted for the last ``num_logits`` fed tokens; 0 for a prefill.
-        want_hidden: also return the last hidden states of those positions.
+        want_hidden: also return the last hidden states of those positions (a prefill: of every
+            fed position, in the model's dtype, and no logits: the prompt's log-probabilities).
     """
 
     cache: Cache
@@ -148,6 +149,9 @@ def packed_forward(model: torch.nn.Module, sessions: Sequence[SessionRows], plan
                 zip(sessions, wanted, all_logits.split([len(w) for w in wanted]))):
             if rows.num_logits:
                 results[index] = (logits, states.float() if rows.want_hidden else None)
+    for index, (rows, span) in enumerate(zip(sessions, packed_cache.spans)):
+        if rows.want_hidden and not rows.num_logits:  # a prefill keeping its hidden states (prompt logprobs)
+            results[index] = (torch.empty(0), hidden[span.start: span.end])  # [fed, hidden]
     return results
 
 

@@ -24,7 +24,9 @@ from disco.engines.kv import CachedSequence
 from disco.engines.sessions import KvBudget, SessionLimits, SessionStore
 from disco.engines.static_runner import static_runner_for
 from disco.errors import InvalidRequest, SessionMismatch
-from disco.interfaces import PrefillResult, VerifyResult
+from disco.interfaces import PrefillResult, TokenLogprobs, VerifyResult
+from disco.speculation.logprobs import prompt_logprobs, raw_logprobs, select_logprobs
+from disco.speculation.logits_processors import apply_logits_controls
 from disco.speculation.sampling import greedy_accept, invariant_verify, logits_to_probs
 
 
@@ -33,6 +35,7 @@ class TargetSession:
     sequence: CachedSequence
     sampling: SamplingParams  # seeded when sampling (a random seed if the caller gave none)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    output_start: int = 0  # index of the first output token in sequence.tokens (the sampling controls count from it)
 
 
 class TargetEngine:
@@ -57,6 +60,11 @@ class TargetEngine:
         if not prompt_ids:
             raise InvalidRequest("prompt is empty")
         sampling.validate()
+        sampling.check_logprob_entries(len(prompt_ids))
+        sampling.check_token_ids(self.vocab_size)
+        if sampling.resumed_tokens >= len(prompt_ids):
+            raise InvalidRequest(f"resumed_tokens ({sampling.resumed_tokens}) must be less than the prompt's "
+                                 f"{len(prompt_ids)} tokens")
         if len(prompt_ids) + sampling.max_new_tokens > self.max_context:
             raise InvalidRequest(
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
@@ -70,10 +78,27 @@ class TargetEngine:
             sequence = CachedSequence(self.model, prompt_ids, capacity=reserved + 1)
             if self.static is not None:
                 self.static.acquire(sequence, reserved + 1)  # a slot when one is free (else the packed path)
-            session = TargetSession(sequence=sequence, sampling=sampling.seeded())
-            self.batcher.prefill(session.sequence)  # batched with concurrent prefills
+            session = TargetSession(sequence=sequence, sampling=sampling.seeded(),
+                                    output_start=len(prompt_ids) - sampling.resumed_tokens)
+            prompt_entries: list[TokenLogprobs] = []
+            if sampling.prompt_logprobs is None:
+                self.batcher.prefill(session.sequence)  # batched with concurrent prefills
+            else:
+                prompt_entries = self._scored_prefill(session.sequence, sampling.prompt_logprobs)
             self.sessions.add(session_id, session)
-        return PrefillResult(prompt_tokens=len(prompt_ids), elapsed_ns=now_ns(self.device) - started)
+        return PrefillResult(prompt_tokens=len(prompt_ids), elapsed_ns=now_ns(self.device) - started,
+                             prompt_logprobs=tuple(prompt_entries))
+
+    def _scored_prefill(self, sequence: CachedSequence, top_n: int) -> list[TokenLogprobs]:
+        """The prefill of a session that asked for its prompt's log-probabilities: the same
+        forward as a plain prefill (the cache gets the same values), keeping every position's
+        hidden states, then the LM head over them in chunks (:func:`prompt_logprobs`).
+        NOTE: alone, not batched with concurrent prefills (prompt scoring is rare); the LM head
+        runs under the model lock too, as every other use of the model does."""
+        with self.batcher.model_lock:
+            hidden = sequence.prefill_hidden()  # [n - 1, hidden]
+            return prompt_logprobs(self.model.get_output_embeddings(), hidden, sequence.tokens, top_n,
+                                   self.vocab_size)
 
     def end_session(self, session_id: str) -> None:
         self.sessions.remove(session_id)
@@ -116,6 +141,12 @@ class TargetEngine:
                 sequence.truncate(base)  # a failed forward leaves the session as it was
                 raise
             forward_ns = now_ns(self.device) - forward_started
+            # Asked only: the raw log-probabilities, taken before anything processes the logits.
+            target_logprobs = (raw_logprobs(target_logits) if session.sampling.logprobs is not None
+                               else None)  # [k + 1, vocab]
+            # The sampling controls: row j with its own history tokens[:base + j], as decoding has it.
+            target_logits = apply_logits_controls(target_logits, session.sampling, sequence.tokens, base,
+                                                  session.output_start)  # [k + 1, vocab]
             if session.sampling.is_greedy:
                 num_accepted, bonus = greedy_accept(draft_token_ids, target_logits)
             else:
@@ -124,10 +155,14 @@ class TargetEngine:
                 num_accepted, bonus = invariant_verify(draft_token_ids, target_probs, session.sampling.seed, base)
             sequence.truncate(base + num_accepted)
             sequence.tokens.append(bonus)
+            # Row j is the distribution of the token emitted at base + j (accepted ones, then the next).
+            logprobs = () if target_logprobs is None else tuple(select_logprobs(
+                target_logprobs[:num_accepted + 1], draft_token_ids[:num_accepted] + [bonus],
+                session.sampling.logprobs or 0))
         finally:
             session.lock.release()
         return VerifyResult(num_accepted=num_accepted, next_token_id=bonus, forward_ns=forward_ns,
-                            elapsed_ns=now_ns(self.device) - started)
+                            elapsed_ns=now_ns(self.device) - started, logprobs=logprobs)
 
     def active_sessions(self) -> int:
         return len(self.sessions)

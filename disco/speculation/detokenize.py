@@ -26,12 +26,22 @@ class IncrementalDetokenizer:
     strings the text contains, the one that ends first wins (as when the tokens come one
     at a time). Stop strings are matched by a :class:`StopMatcher`, which reads each
     character of the text once.
+
+    As in vLLM: ``stop_token_ids`` end the generation as EOS does (the token is returned, its
+    text is not); neither they, EOS nor a stop string count before ``min_tokens`` tokens (a stop
+    token from the ``min_tokens``-th token on, a stop string ending in the text of a later
+    token); ``include_stop_str_in_output`` keeps the stop string (the text is cut after it,
+    and nothing is held back) and the stop token's text.
     """
 
-    def __init__(self, decode: Decode, stop: Sequence[str] = (), eos_token_ids: Sequence[int] = ()) -> None:
+    def __init__(self, decode: Decode, stop: Sequence[str] = (), eos_token_ids: Sequence[int] = (),
+                 stop_token_ids: Sequence[int] = (), min_tokens: int = 0,
+                 include_stop_str_in_output: bool = False) -> None:
         self._decode = decode
         self._stops = StopMatcher(stop)
-        self._eos = frozenset(eos_token_ids)
+        self._eos = frozenset(eos_token_ids) | frozenset(stop_token_ids)
+        self._min_tokens = min_tokens
+        self._include = include_stop_str_in_output
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
@@ -45,19 +55,39 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> TextDelta:
         """Add one token; returns the text that became final because of it."""
         self._ids.append(token_id)
-        if token_id in self._eos:
+        if token_id in self._eos and len(self._ids) >= self._min_tokens:
+            if self._include:
+                self._decode_new()
             return self._flush(stopped=True)
+        added = self._decode_new()
+        if added:
+            index = self._find_stop(added, armed=len(self._ids) > self._min_tokens)
+            if index is not None:
+                self._text = self._text[:self._stops.read if self._include else index]
+                return self._flush(stopped=True)
+        return self._release(len(self._text) - (0 if self._include else self._stops.pending), stopped=False)
+
+    def _decode_new(self) -> str:
+        """The text the last token completes (appended to the text), or "" while it ends in an
+        incomplete character."""
         prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset:])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             added = new_text[len(prefix_text):]
             self._text += added
             self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            return added
+        return ""
+
+    def _find_stop(self, added: str, armed: bool) -> int | None:
+        """Where the first stop string ending in ``added`` starts; before ``min_tokens`` tokens
+        (not ``armed``) none counts, and the matcher reads on past them."""
+        while True:
+            read = self._stops.read
             index = self._stops.feed(added)
-            if index is not None:
-                self._text = self._text[:index]
-                return self._flush(stopped=True)
-        return self._release(len(self._text) - self._stops.pending, stopped=False)
+            if index is None or armed:
+                return index
+            added = added[self._stops.read - read:]
 
     def finish(self) -> TextDelta:
         """Generation ended for another reason: release everything held back,
@@ -122,6 +152,11 @@ class StopMatcher:
     def pending(self) -> int:
         """Characters at the end of the text that are the start of a stop string."""
         return self._depth[self._state]
+
+    @property
+    def read(self) -> int:
+        """Characters read so far (after a match: up to the end of the stop string found)."""
+        return self._read
 
     def feed(self, text: str) -> int | None:
         """Read ``text`` (the continuation of what was fed before); the index, in the whole

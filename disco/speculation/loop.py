@@ -20,9 +20,10 @@ from typing import Callable, Iterator, Sequence, Union
 
 from disco.config import SamplingParams, SpeculationConfig
 from disco.errors import InvalidRequest, SessionNotFound, Unavailable
-from disco.interfaces import Drafter, DraftSummary, Feedback, Verifier
+from disco.interfaces import Drafter, DraftSummary, Feedback, PrefillResult, TokenLogprobs, Verifier
 from disco.speculation.cost_model import CostModel
 from disco.speculation.detokenize import Decode, IncrementalDetokenizer
+from disco.speculation.logits_processors import Encode, tokenize_bad_words
 from disco.speculation.policies import parse_policy_spec
 from disco.speculation.policies.auto import speculation_pays, with_costs
 from disco.stats import RequestStats
@@ -34,14 +35,18 @@ class TokenChunk:
 
     token_ids: list[int]
     text: str
+    logprobs: tuple[TokenLogprobs, ...] = ()  # asked (SamplingParams.logprobs): one per token of token_ids
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # asked: the first chunk's, prompt tokens 1 .. n-1
 
 
 @dataclass(frozen=True)
 class GenerationResult:
     token_ids: list[int]  # generated ids only (EOS included if generated)
     text: str
-    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    finish_reason: str  # "stop" (EOS, a stop token id or a stop string) or "length"
     stats: RequestStats
+    logprobs: tuple[TokenLogprobs, ...] = ()  # asked: one per token of token_ids
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # asked: one per prompt token after the first
 
 
 GenerationEvent = Union[TokenChunk, GenerationResult]
@@ -63,6 +68,7 @@ class SpeculativeGenerator:
         parallel_prefill: bool = False,
         explore_draft: bool = False,
         costs_now: Callable[[], CostModel | None] | None = None,
+        encode: Encode | None = None,
     ) -> None:
         """``costs``: the measured engine costs of this deployment; ``auto`` and ``disco:``
         policies read them (:func:`disco.speculation.policies.auto.with_costs`; without them both are
@@ -77,7 +83,9 @@ class SpeculativeGenerator:
         asked before every block of an ``auto`` request that speculates: where no lookahead
         pays at this load the block is a target-only step (the draft session is left behind),
         and when speculation pays again the draft session is started anew from the request's
-        tokens (one draft prefill)."""
+        tokens (one draft prefill). ``encode``: the target's tokenizer (text -> ids, no special
+        tokens), which turns a request's ``bad_words`` into token sequences; without it a request
+        with bad words is refused."""
         self.drafter = drafter
         self.verifier = verifier
         self.decode = decode
@@ -87,6 +95,7 @@ class SpeculativeGenerator:
         self.parallel_prefill = parallel_prefill
         self.explore_draft = explore_draft
         self.costs_now = costs_now
+        self.encode = encode
 
     def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
                  speculation: SpeculationConfig) -> GenerationResult:
@@ -103,6 +112,7 @@ class SpeculativeGenerator:
         if not prompt_ids:
             raise InvalidRequest("prompt is empty")
         sampling.validate(self.max_new_tokens_limit)
+        sampling.check_logprob_entries(len(prompt_ids))
         speculation.validate()
         spec = parse_policy_spec(speculation.policy)
         if spec.uses_draft and spec.text != "auto" and self.drafter is None:
@@ -114,6 +124,7 @@ class SpeculativeGenerator:
                speculation: SpeculationConfig) -> Iterator[GenerationEvent]:
         """Yields a :class:`TokenChunk` per iteration, then one :class:`GenerationResult`."""
         self.validate(prompt_ids, sampling, speculation)
+        sampling = self.with_controls(sampling)
         spec = parse_policy_spec(speculation.policy)
         if spec.name == "auto" and not spec.argument:
             speculation = dataclasses.replace(speculation, policy=self.resolve_auto(speculation.max_lookahead))
@@ -126,6 +137,25 @@ class SpeculativeGenerator:
                 prompt_ids, sampling, dataclasses.replace(speculation, policy="none")).token_ids
         load_aware = self.costs_now is not None and spec.name == "auto" and spec.uses_draft
         return self._run(list(prompt_ids), sampling, speculation, spec.uses_draft, reference_ids, load_aware)
+
+    def with_controls(self, sampling: SamplingParams) -> SamplingParams:
+        """The request's sampling controls as its sessions apply them: the bad words' token
+        sequences (:func:`tokenize_bad_words`, added to any given as ids), and the EOS ids that
+        ``min_tokens`` bans with ``stop_token_ids`` (this deployment's, whatever a caller set).
+
+        Raises:
+            InvalidRequest: bad words without a tokenizer, or one that does not tokenize.
+        """
+        bad_words_token_ids = sampling.bad_words_token_ids
+        if sampling.bad_words:
+            if self.encode is None:
+                raise InvalidRequest("bad_words need the target's tokenizer, and this generator has none")
+            words = tokenize_bad_words(sampling.bad_words, self.encode)
+            bad_words_token_ids = tuple(dict.fromkeys(bad_words_token_ids + words))
+        sampling = dataclasses.replace(sampling, bad_words_token_ids=bad_words_token_ids,
+                                       eos_token_ids=self.eos_token_ids if sampling.min_tokens else ())
+        sampling.validate(self.max_new_tokens_limit)  # the budgets of what was added
+        return sampling
 
     def resolve_auto(self, max_lookahead: int) -> str:
         """``auto`` for one request: ``none`` where the measured costs say no lookahead can
@@ -148,7 +178,9 @@ class SpeculativeGenerator:
         started = time.perf_counter()
         stats = RequestStats(prompt_tokens=len(prompt_ids))
         detokenizer = IncrementalDetokenizer(
-            self.decode, sampling.stop, () if sampling.ignore_eos else self.eos_token_ids)
+            self.decode, sampling.stop, () if sampling.ignore_eos else self.eos_token_ids,
+            stop_token_ids=sampling.stop_token_ids, min_tokens=sampling.min_tokens,
+            include_stop_str_in_output=sampling.include_stop_str_in_output)
         # Both sides draw the same noise, keyed by (seed, position): the request's seed, or (sampled
         # without one) a random seed, reported in the stats so that the output can be reproduced.
         sampling = sampling.seeded()
@@ -162,16 +194,20 @@ class SpeculativeGenerator:
         # sees the load only as it arrives, and a draft prefill the first block's check throws
         # away costs the other sessions' forwards (docs/engines.md, "A margin under load").
         defer_draft = load_aware and uses_draft and self._sessions_in_flight() > 1
+        if sampling.max_new_tokens == 0:  # prompt scoring (prompt_logprobs): the target's prefill only
+            uses_draft = defer_draft = False
+            finish_reason = "length"
+        all_logprobs: list[TokenLogprobs] = []
         try:
             # 1. Prefill: one session in each service.
             if defer_draft:
-                self.verifier.start_session(session_id, prompt_ids, sampling)
+                prefill = self.verifier.start_session(session_id, prompt_ids, sampling)
                 sessions_started.append(self.verifier)
             elif uses_draft and self.parallel_prefill:
-                uses_draft = self._prefill_at_once(session_id, prompt_ids, sampling, speculation, reference_ids,
-                                                   stats, sessions_started)
+                uses_draft, prefill = self._prefill_at_once(session_id, prompt_ids, sampling, speculation,
+                                                            reference_ids, stats, sessions_started)
             else:
-                self.verifier.start_session(session_id, prompt_ids, sampling)
+                prefill = self.verifier.start_session(session_id, prompt_ids, sampling)
                 sessions_started.append(self.verifier)
                 if uses_draft:
                     assert self.drafter is not None
@@ -179,6 +215,9 @@ class SpeculativeGenerator:
                     uses_draft = self._start_draft(session_id, prompt_ids, sampling, speculation, reference_ids,
                                                    stats)
             stats.prefill_s = time.perf_counter() - started
+            prompt_logprobs = () if sampling.prompt_logprobs is None else _asked_logprobs(
+                prefill.prompt_logprobs, len(prompt_ids) - 1, "prompt_logprobs")
+            pending_prompt_logprobs = prompt_logprobs  # sent with the first chunk
             feedback: Feedback | None = None
             draft_behind = defer_draft  # the draft session misses tokens (not started, or blocks skipped under load)
             while not finish_reason:
@@ -240,6 +279,8 @@ class SpeculativeGenerator:
                 feedback = Feedback(verdict.num_accepted, verdict.next_token_id)
                 # 4. Accept: the accepted prefix plus the bonus token, then EOS/stop/length.
                 new_ids = draft_ids[:verdict.num_accepted] + [verdict.next_token_id]
+                new_logprobs = () if sampling.logprobs is None else _asked_logprobs(
+                    verdict.logprobs, len(new_ids), "logprobs")
                 chunk_ids, chunk_text = [], ""
                 for token_id in new_ids:
                     generated.append(token_id)
@@ -253,7 +294,12 @@ class SpeculativeGenerator:
                         finish_reason = "length"
                         chunk_text += detokenizer.finish().text
                         break
-                yield TokenChunk(token_ids=chunk_ids, text=chunk_text)
+                # The logprobs are truncated with the tokens (EOS, a stop string, the length).
+                chunk_logprobs = new_logprobs[:len(chunk_ids)]
+                all_logprobs.extend(chunk_logprobs)
+                yield TokenChunk(token_ids=chunk_ids, text=chunk_text, logprobs=chunk_logprobs,
+                                 prompt_logprobs=pending_prompt_logprobs)
+                pending_prompt_logprobs = ()
         finally:
             for service in sessions_started:
                 self._end_quietly(service, session_id)
@@ -261,7 +307,7 @@ class SpeculativeGenerator:
         stats.finish_reason = finish_reason
         stats.wall_s = time.perf_counter() - started
         yield GenerationResult(token_ids=generated, text=detokenizer.text, finish_reason=finish_reason,
-                               stats=stats)
+                               stats=stats, logprobs=tuple(all_logprobs), prompt_logprobs=prompt_logprobs)
 
     @staticmethod
     def _end_quietly(service, session_id: str) -> None:
@@ -274,23 +320,24 @@ class SpeculativeGenerator:
 
     def _prefill_at_once(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams,
                          speculation: SpeculationConfig, reference_ids: list[int] | None, stats: RequestStats,
-                         sessions_started: list) -> bool:
+                         sessions_started: list) -> tuple[bool, PrefillResult]:
         """Both prefills at once: the draft session starts in a worker thread while this
         one starts the target's. Returns whether the draft session runs (as
-        :meth:`_start_draft`). Either service's error propagates once both calls are over,
-        with every started session in ``sessions_started`` for the caller to end."""
+        :meth:`_start_draft`) and the target's prefill. Either service's error propagates once
+        both calls are over, with every started session in ``sessions_started`` for the caller
+        to end."""
         assert self.drafter is not None
         sessions_started.append(self.drafter)  # ended by the caller whatever happens (ending is idempotent)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-prefill") as pool:
             draft = pool.submit(contextvars.copy_context().run, self.drafter.start_session, session_id, prompt_ids,
                                 sampling, speculation.policy, reference_ids, overlap=speculation.overlap)
-            self.verifier.start_session(session_id, prompt_ids, sampling)  # on error: waits for the draft
+            prefill = self.verifier.start_session(session_id, prompt_ids, sampling)  # on error: waits for the draft
             sessions_started.append(self.verifier)
         try:  # the outcome is handled here, in the request's thread (its stats, its log context)
             draft.result()
-            return True
+            return True, prefill
         except Unavailable as error:
-            return self._draft_failed(session_id, error, stats)
+            return self._draft_failed(session_id, error, stats), prefill
 
     def _start_draft(self, session_id: str, token_ids: list[int], sampling: SamplingParams,
                      speculation: SpeculationConfig, reference_ids: list[int] | None, stats: RequestStats) -> bool:
@@ -321,3 +368,16 @@ class SpeculativeGenerator:
         logger.warning("draft service unavailable for session %s (%s); continuing target-only", session_id, error)
         stats.draft_fallbacks += 1
         return False
+
+
+def _asked_logprobs(entries: Sequence[TokenLogprobs], expected: int, field: str) -> tuple[TokenLogprobs, ...]:
+    """The target's entries of a request that asked for them: exactly ``expected`` of them,
+    else the target cannot give them (a version older than this loop's).
+
+    Raises:
+        Unavailable: the target returned another count.
+    """
+    if len(entries) != expected:
+        raise Unavailable(f"{field}: the target returned {len(entries)} entries for {expected} tokens (a target "
+                          "service older than this orchestrator does not compute them)")
+    return tuple(entries)

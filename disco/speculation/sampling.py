@@ -37,19 +37,23 @@ import numpy as np
 import torch
 
 from disco.config import SamplingParams
+from disco.speculation.logits_processors import apply_min_p
 
 
 def logits_to_probs(
     logits: torch.Tensor,  # [..., vocab]
     sampling: SamplingParams,
 ) -> torch.Tensor:  # [..., vocab] float32, rows sum to 1
-    """Temperature, then top-k, then top-p (nucleus) warping, as HF's logits warpers.
+    """Temperature, then min-p, then top-k, then top-p (nucleus) warping, in vLLM v1's order
+    (the history-dependent controls come first: :mod:`disco.speculation.logits_processors`).
 
     Greedy requests (temperature 0) get the plain softmax; callers take its argmax.
     """
     logits = logits.float()
     if sampling.temperature > 0:
         logits = logits / sampling.temperature
+    if sampling.min_p > 0:
+        logits = apply_min_p(logits, sampling.min_p)
     if sampling.top_k > 0 and sampling.top_k < logits.shape[-1]:
         kth_largest = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))

@@ -33,7 +33,7 @@ from starlette.types import Receive, Scope, Send
 
 import disco
 from disco.config import SpeculationConfig
-from orchestrator.client import AsyncDiscoClient, AsyncGenerationStream, Chunk
+from orchestrator.client import AsyncDiscoClient, AsyncGenerationStream, Chunk, Completion
 from orchestrator.http.config import HttpConfig
 from orchestrator.http.errors import ApiError, deadline_exceeded, from_rpc_error, invalid, route_error
 from orchestrator.http.middleware import (
@@ -212,7 +212,9 @@ async def _generate(request: Request, body: CompletionRequest | ChatCompletionRe
     kwargs = body.generate_kwargs(_max_tokens(body, gateway.config.max_tokens_limit))
     shaper = Shaper(chat=chat, model=body.model or await gateway.model_name(),
                     policy=body.policy or SpeculationConfig().policy,
-                    id=f"{'chatcmpl' if chat else 'cmpl'}-{body.request_id}" if body.request_id else "")
+                    id=f"{'chatcmpl' if chat else 'cmpl'}-{body.request_id}" if body.request_id else "",
+                    logprobs=body.logprobs_asked(), echo=bool(kwargs.get("echo")),
+                    prompt_logprobs=body.prompt_logprobs)
     try:
         # 429 at once when the queue is full; else wait for a slot (up to the deadline).
         slot = await _unless_disconnected(request, gateway.admission.wait(), deadline, abandon=Slot.release)
@@ -308,21 +310,37 @@ async def _events(stream: AsyncGenerationStream, chunks: AsyncIterator[Chunk], f
         return {"data": json.dumps(data, ensure_ascii=False)}
 
     sent = 0  # tokens whose event was handed to the client
+    offset = 0  # characters of the answer sent (a completion's text_offset)
     ended = False
+
+    def piece(source: Chunk | Completion, first_one: bool) -> dict[str, str] | None:
+        """The event of a chunk's text and logprobs (the first one: after the echoed prompt's);
+        none when it adds neither (a token inside a character, without logprobs)."""
+        nonlocal offset
+        text, entries = shaper.delta(source, first_one)
+        if not text and not (entries and shaper.logprobs is not None):
+            return None
+        data = shaper.chunk(text=text, include_usage=include_usage, text_offset=offset,
+                            logprobs=entries if shaper.logprobs is not None else None)
+        offset += len(text)
+        return event(data)
+
     try:
         if shaper.chat:
             yield event(shaper.chunk(text="", role="assistant", include_usage=include_usage))
         if first is not None:
-            if first.text:
-                yield event(shaper.chunk(text=first.text, include_usage=include_usage))
+            if (data := piece(first, True)) is not None:
+                yield data
             sent += len(first.token_ids)
             async for chunk in chunks:
-                if chunk.text:
-                    yield event(shaper.chunk(text=chunk.text, include_usage=include_usage))
+                if (data := piece(chunk, False)) is not None:
+                    yield data
                 sent += len(chunk.token_ids)
         result = stream.result
         if result is None:  # the stream ended without its result: never expected from the orchestrator
             raise ApiError(502, "the orchestrator's stream ended without a result", code="incomplete_stream")
+        if first is None and (data := piece(result, True)) is not None:  # max_tokens 0: the echoed prompt only
+            yield data
         yield event(shaper.chunk(finish_reason=result.finish_reason, include_usage=include_usage))
         if include_usage:
             yield event(shaper.usage_chunk(result))

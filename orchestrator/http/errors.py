@@ -43,6 +43,9 @@ _PARAM_HINTS: tuple[tuple[str, str], ...] = (
     (r"top_k\b", "top_k"),
     (r"seed\b", "seed"),
     (r"stop strings?\b", "stop"),
+    *((rf"{name}\b", name) for name in ("stop_token_ids", "min_tokens", "repetition_penalty", "presence_penalty",
+                                         "frequency_penalty", "logit_bias", "min_p", "bad_words")),
+    (r"bad_words_token_ids\b", "bad_words"),
     (r"--chat\b|.*chat template|messages\b|the last message", "messages"),
     (r"prompt\b", "prompt"),
 )

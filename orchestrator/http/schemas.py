@@ -6,11 +6,12 @@ completions requests is declared here, as one of three kinds (docs/http.md has t
 
 * **applied**: mapped onto the gRPC request (``prompt``, ``max_tokens``, ``temperature``,
   ...; ``policy``, ``max_lookahead``, ``top_k`` and ``ignore_eos`` are extra body fields,
-  as vLLM takes extra sampling fields);
+  as vLLM takes extra sampling fields, and so are vLLM's sampling controls ``min_p``,
+  ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``bad_words``, ...);
 * **no effect by definition**: accepted with any value because it cannot change the output
   (``user``, ``metadata``, ``cache_salt``, ...);
 * **not supported yet** (:attr:`Strict.NOT_YET`): accepted only at its neutral value, the
-  one that changes nothing (``presence_penalty: 0``, ``n: 1``, ``logprobs: null``, ...);
+  one that changes nothing (``best_of: 1``, ``n: 1``, ``suffix: ""``, ...);
   any other value is a 400 naming the field.
 
 A field that is in neither API is a 400 naming it (``extra="forbid"``), as OpenAI answers
@@ -25,8 +26,10 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from disco.config import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
+from disco.config import MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_STRINGS, PENALTY_LIMIT, SamplingParams
 from disco.speculation.policies.spec import MAX_POLICY_SPEC_CHARS
+from orchestrator.http.controls import CHECKS, control_kwargs
+from orchestrator.http.errors import invalid
 
 #: OpenAI's default ``max_tokens`` of a text completion (also when it is sent as ``null``).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -78,23 +81,12 @@ class StreamOptions(Strict):
 SHARED_NOT_YET: dict[str, tuple[Any, ...]] = {
     "n": (None, 1),
     "best_of": (None, 1),
-    "frequency_penalty": (None, 0.0),
-    "presence_penalty": (None, 0.0),
-    "repetition_penalty": (None, 1.0),
-    "logit_bias": (None, {}),
-    "min_p": (None, 0.0),
-    "min_tokens": (None, 0),
-    "stop_token_ids": (None, []),
-    "include_stop_str_in_output": (None, False),
-    "bad_words": (None, []),
     "allowed_token_ids": (None,),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1.0),
     "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True),
     "truncate_prompt_tokens": (None,),
-    "prompt_logprobs": (None,),
-    "echo": (None, False),
     "response_format": (None, {"type": "text"}),
     "guided_json": (None,),
     "guided_regex": (None,),
@@ -136,29 +128,33 @@ class GenerationRequest(Strict):
     max_lookahead: int | None = Field(default=None, ge=1)
     top_k: int | None = Field(default=None, ge=-1, description="0 or -1: off (vLLM's -1 is 0 on the gRPC side)")
     ignore_eos: bool | None = False
+    # Applied: the sampling controls (vLLM's; the draft and the target apply them alike).
+    frequency_penalty: float | None = Field(default=None, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT, allow_inf_nan=False)
+    presence_penalty: float | None = Field(default=None, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(default=None, gt=0, allow_inf_nan=False,
+                                             description="vLLM's: over prompt and output tokens; 1: off")
+    logit_bias: dict[str, float] | None = Field(default=None, description="token id (a string) -> bias in [-100, 100]")
+    min_p: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
+    min_tokens: int | None = Field(default=None, ge=0)
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS,
+                                        description="vLLM's: the prompt tokens' logprobs (not streamed)")
+    # Applied by completions; chat: not supported yet (its NOT_YET: vLLM's chat echo is another thing).
+    echo: bool | None = None
     # No effect on the output, by definition: accepted with any value.
     user: str | None = None
     cache_salt: str | None = None  # vLLM: salts its prefix cache; disco shares no cache between requests
     # Not supported yet (NOT_YET): only their neutral value is accepted.
     n: int | None = None
     best_of: int | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    min_p: float | None = None
-    min_tokens: int | None = None
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool | None = None
-    bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     use_beam_search: bool | None = None
     length_penalty: float | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     truncate_prompt_tokens: int | None = None
-    prompt_logprobs: int | None = None
-    echo: bool | None = None
     response_format: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: Any = None
@@ -192,6 +188,12 @@ class GenerationRequest(Strict):
                               f"stop[{index}] has {len(text)}")
         return stop
 
+    @field_validator("logit_bias", "stop_token_ids", "bad_words")
+    @classmethod
+    def _bounded_controls(cls, value: Any, info: ValidationInfo) -> Any:
+        """The sampling controls' bounds (:mod:`orchestrator.http.controls`)."""
+        return CHECKS[info.field_name or ""](value)
+
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "GenerationRequest":
         if self.stream_options is not None and not self.stream:
@@ -211,10 +213,26 @@ class GenerationRequest(Strict):
         """``max_tokens`` when the request gives none."""
         raise NotImplementedError
 
+    def logprobs_asked(self) -> int | None:
+        """The alternatives per generated token the response shows (``None``: no logprobs)."""
+        raise NotImplementedError
+
+    def check_logprob_fields(self) -> None:
+        """Refuse what cannot be combined (a 400 naming the field); the ranges are the fields'.
+
+        Raises:
+            ApiError: vLLM's ``prompt_logprobs`` with ``stream: true`` (as vLLM refuses it).
+        """
+        if self.prompt_logprobs is not None and self.stream:
+            raise invalid("prompt_logprobs: not available with stream=true (as in vLLM)", "prompt_logprobs")
+
     def sampling_kwargs(self, max_tokens: int) -> dict[str, Any]:
         """The :func:`~orchestrator.client.build_request` arguments besides the prompt
         (``None``/empty: the server's default)."""
+        self.check_logprob_fields()
         return {
+            "logprobs": self.logprobs_asked(),
+            "prompt_logprobs": self.prompt_logprobs,
             "policy": self.policy,
             "max_lookahead": self.max_lookahead,
             "max_new_tokens": max_tokens,
@@ -224,18 +242,20 @@ class GenerationRequest(Strict):
             "seed": self.seed,
             "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or ()),
             "ignore_eos": bool(self.ignore_eos),
+            **control_kwargs(self, max_tokens),
         }
 
 
 class CompletionRequest(GenerationRequest):
     """``POST /v1/completions``: a raw prompt, as text or token ids (one prompt only)."""
 
-    NOT_YET = {**SHARED_NOT_YET, "logprobs": (None,), "suffix": (None, ""), "prompt_embeds": (None,),
-               "add_special_tokens": (None, True)}
+    NOT_YET = {**SHARED_NOT_YET, "suffix": (None, ""), "prompt_embeds": (None,), "add_special_tokens": (None, True)}
 
     prompt: Any = Field(description="a string, a list with one string, token ids, or a list with one list "
                                     "of token ids")
-    logprobs: int | None = None
+    max_tokens: int | None = Field(default=None, ge=0, description="0 only with echo: the prompt scored")
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS,
+                                 description="the sampled token's logprob and this many alternatives")
     suffix: str | None = None
     prompt_embeds: Any = None
     add_special_tokens: bool | None = None
@@ -260,11 +280,30 @@ class CompletionRequest(GenerationRequest):
     def default_max_tokens(self) -> int:
         return COMPLETIONS_DEFAULT_MAX_TOKENS
 
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
+
     def generate_kwargs(self, max_tokens: int) -> dict[str, Any]:
-        """The keyword arguments of :func:`~orchestrator.client.build_request`."""
+        """The keyword arguments of :func:`~orchestrator.client.build_request`. With ``echo`` the
+        server returns the prompt's text and, with ``logprobs``, its tokens' logprobs; ``max_tokens:
+        0`` (echo only) scores the prompt without generating.
+
+        Raises:
+            ApiError: ``max_tokens: 0`` without ``echo``.
+        """
+        if max_tokens == 0 and not self.echo:
+            raise invalid("max_tokens must be >= 1 (0 only with echo: the prompt is scored, nothing is "
+                          "generated)", "max_tokens")
         prompt = self.prompt
         text, ids = (prompt, None) if isinstance(prompt, str) else ("", prompt)
-        return {"prompt": text, "prompt_ids": ids, "chat": False, **self.sampling_kwargs(max_tokens)}
+        kwargs = {"prompt": text, "prompt_ids": ids, "chat": False, **self.sampling_kwargs(max_tokens)}
+        if self.echo:
+            # The prompt's logprobs as many as the echoed tokens show (and vLLM's field asks);
+            # NOTE: max_tokens 0 is prompt scoring, for which the server computes them in any case.
+            asked = [n for n in (kwargs["prompt_logprobs"], self.logprobs, 0 if max_tokens == 0 else None)
+                     if n is not None]
+            kwargs.update(echo=True, prompt_logprobs=max(asked) if asked else None)
+        return kwargs
 
 
 class ContentPart(Strict):
@@ -320,7 +359,7 @@ class ChatCompletionRequest(GenerationRequest):
     template (``GenerateRequest.messages``). Tool and function messages are refused.
     """
 
-    NOT_YET = {**SHARED_NOT_YET, "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
+    NOT_YET = {**SHARED_NOT_YET, "echo": (None, False), "tools": (None, []),
                "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
                "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
                "reasoning_effort": (None,), "verbosity": (None,), "web_search_options": (None,),
@@ -336,9 +375,9 @@ class ChatCompletionRequest(GenerationRequest):
     parallel_tool_calls: bool | None = None  # no tools (refused), so no tool calls at all
     prompt_cache_key: str | None = None  # OpenAI's cache routing hint
     safety_identifier: str | None = None  # an end-user id, like `user`
+    logprobs: bool | None = None  # the generated tokens' logprobs, with top_logprobs alternatives each
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # Not supported yet (NOT_YET): only their neutral value is accepted.
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -380,6 +419,16 @@ class ChatCompletionRequest(GenerationRequest):
 
     def default_max_tokens(self) -> int:
         return CHAT_DEFAULT_MAX_TOKENS
+
+    def logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def check_logprob_fields(self) -> None:
+        """Also: ``top_logprobs`` above 0 needs ``logprobs: true`` (OpenAI's rule; 0 or null changes
+        nothing, so it is accepted without)."""
+        super().check_logprob_fields()
+        if self.top_logprobs and not self.logprobs:
+            raise invalid("top_logprobs: needs logprobs: true", "top_logprobs")
 
     def generate_kwargs(self, max_tokens: int) -> dict[str, Any]:
         """The keyword arguments of :func:`~orchestrator.client.build_request`."""

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.disco.v1 import common_pb2 as protos_dot_disco_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cprotos/disco/v1/target.proto\x12\x08\x64isco.v1\x1a\x1cprotos/disco/v1/common.proto\"o\n\x19StartTargetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.disco.v1.SamplingParams\"\x9b\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\x05\x12+\n\x0b\x64raft_probs\x18\x03 \x03(\x0b\x32\x16.disco.v1.Distribution\x12\x1c\n\x0f\x65xpected_length\x18\x04 \x01(\x05H\x00\x88\x01\x01\x42\x12\n\x10_expected_length\"f\n\x0eVerifyResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x05\x12\x16\n\x0e\x62onus_token_id\x18\x02 \x01(\x05\x12\x12\n\nforward_ns\x18\x03 \x01(\x03\x12\x12\n\nelapsed_ns\x18\x04 \x01(\x03\x32\xa7\x02\n\rTargetService\x12S\n\x0cStartSession\x12#.disco.v1.StartTargetSessionRequest\x1a\x1e.disco.v1.StartSessionResponse\x12;\n\x06Verify\x12\x17.disco.v1.VerifyRequest\x1a\x18.disco.v1.VerifyResponse\x12G\n\nEndSession\x12\x1b.disco.v1.EndSessionRequest\x1a\x1c.disco.v1.EndSessionResponse\x12;\n\x04Info\x12\x1c.disco.v1.ServiceInfoRequest\x1a\x15.disco.v1.ServiceInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cprotos/disco/v1/target.proto\x12\x08\x64isco.v1\x1a\x1cprotos/disco/v1/common.proto\"o\n\x19StartTargetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.disco.v1.SamplingParams\"\x9b\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\x05\x12+\n\x0b\x64raft_probs\x18\x03 \x03(\x0b\x32\x16.disco.v1.Distribution\x12\x1c\n\x0f\x65xpected_length\x18\x04 \x01(\x05H\x00\x88\x01\x01\x42\x12\n\x10_expected_length\"\x91\x01\n\x0eVerifyResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x05\x12\x16\n\x0e\x62onus_token_id\x18\x02 \x01(\x05\x12\x12\n\nforward_ns\x18\x03 \x01(\x03\x12\x12\n\nelapsed_ns\x18\x04 \x01(\x03\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.disco.v1.TokenLogprobs2\xa7\x02\n\rTargetService\x12S\n\x0cStartSession\x12#.disco.v1.StartTargetSessionRequest\x1a\x1e.disco.v1.StartSessionResponse\x12;\n\x06Verify\x12\x17.disco.v1.VerifyRequest\x1a\x18.disco.v1.VerifyResponse\x12G\n\nEndSession\x12\x1b.disco.v1.EndSessionRequest\x1a\x1c.disco.v1.EndSessionResponse\x12;\n\x04Info\x12\x1c.disco.v1.ServiceInfoRequest\x1a\x15.disco.v1.ServiceInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,8 +36,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STARTTARGETSESSIONREQUEST']._serialized_end=183
   _globals['_VERIFYREQUEST']._serialized_start=186
   _globals['_VERIFYREQUEST']._serialized_end=341
-  _globals['_VERIFYRESPONSE']._serialized_start=343
-  _globals['_VERIFYRESPONSE']._serialized_end=445
-  _globals['_TARGETSERVICE']._serialized_start=448
-  _globals['_TARGETSERVICE']._serialized_end=743
+  _globals['_VERIFYRESPONSE']._serialized_start=344
+  _globals['_VERIFYRESPONSE']._serialized_end=489
+  _globals['_TARGETSERVICE']._serialized_start=492
+  _globals['_TARGETSERVICE']._serialized_end=787
 # @@protoc_insertion_point(module_scope)

@@ -30,13 +30,15 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.Distribution, _Mapping]]] = ..., expected_length: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("num_accepted", "bonus_token_id", "forward_ns", "elapsed_ns")
+    __slots__ = ("num_accepted", "bonus_token_id", "forward_ns", "elapsed_ns", "logprobs")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_NS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     bonus_token_id: int
     forward_ns: int
     elapsed_ns: int
-    def __init__(self, num_accepted: _Optional[int] = ..., bonus_token_id: _Optional[int] = ..., forward_ns: _Optional[int] = ..., elapsed_ns: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, num_accepted: _Optional[int] = ..., bonus_token_id: _Optional[int] = ..., forward_ns: _Optional[int] = ..., elapsed_ns: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
