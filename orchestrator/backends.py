@@ -12,7 +12,7 @@ from typing import Sequence
 
 import grpc
 
-from disco.errors import DiscoError, ModelError, VocabularyMismatch
+from disco.errors import DiscoError, ModelError, Unavailable, VocabularyMismatch
 from disco.speculation.cost_model import CostModel
 from disco.speculation.live_model import live_cost_model
 from orchestrator.failover import FailoverDrafter, FailoverVerifier, SessionTrack
@@ -23,6 +23,11 @@ from protos.runtime.server import error_from_rpc
 from protos.runtime.tls import TlsFiles
 
 DESCRIBE_TIMEOUT_S = 5.0
+#: How long a request waits for the target's channel to connect before it is UNAVAILABLE: the
+#: channel's longest reconnect backoff (``grpc.max_reconnect_backoff_ms`` of
+#: :data:`protos.runtime.server.CHANNEL_OPTIONS`, 2 s) and a margin, so a target that came up
+#: after the orchestrator is found by its next connection attempt.
+CONNECT_WAIT_S = 2.5
 
 
 #: How long an orchestrator goes on without costs before asking the services again.
@@ -78,8 +83,12 @@ class Backends:
         """Per-replica routing state of both roles."""
         return {"draft": self.draft.snapshot(), "target": self.target.snapshot()}
 
-    def describe(self, role: str, timeout: float = DESCRIBE_TIMEOUT_S) -> common_pb2.ServiceInfo:
-        """The ``Info`` of a healthy replica of the ``"draft"`` or ``"target"`` service.
+    def describe(self, role: str, timeout: float = DESCRIBE_TIMEOUT_S,
+                 wait_for_ready: bool = False) -> common_pb2.ServiceInfo:
+        """The ``Info`` of a healthy replica of the ``"draft"`` or ``"target"`` service;
+        ``wait_for_ready``: wait up to ``timeout`` for the channel to connect instead of
+        failing at once while it backs off between connection attempts (a replica that came
+        up after the orchestrator: its channel may wait up to 2 s before trying again).
 
         Raises:
             Unavailable: no replica can be reached.
@@ -88,8 +97,11 @@ class Backends:
         stub = (draft_pb2_grpc.DraftServiceStub if role == "draft" else target_pb2_grpc.TargetServiceStub)(
             replica.channel)
         try:
-            return stub.Info(common_pb2.ServiceInfoRequest(), timeout=timeout)
+            return stub.Info(common_pb2.ServiceInfoRequest(), timeout=timeout, wait_for_ready=wait_for_ready)
         except grpc.RpcError as error:
+            if wait_for_ready and error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise Unavailable(f"{role} service at {replica.address} is unavailable: "
+                                  f"no connection within {timeout:g} s") from None
             raise error_from_rpc(error, f"{role} service at {replica.address}") from None
 
     def target_info(self) -> common_pb2.ServiceInfo:
@@ -101,7 +113,7 @@ class Backends:
         """
         with self._lock:
             if self._target_info is None:
-                info = self.describe("target")
+                info = self.describe("target", CONNECT_WAIT_S, wait_for_ready=True)  # a request needs it
                 if info.tokenizer_hash != self.tokenizer_hash:
                     raise ModelError(
                         f"the target service at {self.target_address} serves {info.model_name!r}, whose tokenizer "
