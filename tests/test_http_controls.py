@@ -6,56 +6,23 @@ as the field says, and equals ``none``'s), and an invalid value is a 400 naming 
 
 from __future__ import annotations
 
-import copy
 import re
 
 import grpc
 import openai
 import pytest
 
-import draft_service.server
-import orchestrator.server
-import target_service.server
 from disco.config import SamplingParams, SpeculationConfig
-from orchestrator.client import DiscoClient, DiscoRpcError, build_request
-from orchestrator.http.config import HttpConfig
-from orchestrator.http.server import start_in_thread
+from orchestrator.client import DiscoRpcError, build_request
 from protos.disco.v1 import orchestrator_pb2_grpc
-from tests.grpc_fixtures import CLIENT_TIMEOUT_S, loaded
+from tests.grpc_fixtures import CLIENT_TIMEOUT_S
 from tests.helpers import PROMPTS, local_generator
 from tests.test_sampling_controls import bad_word_of
-from tests.test_http_api import CHAT_TEMPLATE
+from tests.http_fixtures import MODEL, stack  # noqa: F401 - fixture
 
-MODEL = "tiny-target"
 PROMPT = PROMPTS[0]
 MAX_NEW = 24
 SAMPLED = dict(temperature=0.9, top_p=0.95, seed=5)
-
-
-class Stack:
-    def __init__(self, target_model, draft_model, tokenizer):
-        chat_tokenizer = copy.deepcopy(tokenizer)
-        chat_tokenizer.chat_template = CHAT_TEMPLATE
-        self.target = target_service.server.serve(loaded(target_model, tokenizer, MODEL))
-        self.draft = draft_service.server.serve(loaded(draft_model, tokenizer, "tiny-noisy"))
-        self.orch = orchestrator.server.serve(chat_tokenizer, self.draft.address, self.target.address)
-        self.http = start_in_thread(HttpConfig(self.orch.address, port=0))
-        self.grpc = DiscoClient(self.orch.address, timeout=CLIENT_TIMEOUT_S)
-        self.openai = openai.OpenAI(base_url=self.http.url, api_key="unused", max_retries=0,
-                                    timeout=CLIENT_TIMEOUT_S)
-
-    def close(self):
-        self.grpc.close()
-        self.http.stop()
-        for server in (self.orch, self.draft, self.target):
-            server.stop(0)
-
-
-@pytest.fixture(scope="module")
-def stack(target_model, drafts, tokenizer):
-    running = Stack(target_model, drafts["noisy"], tokenizer)
-    yield running
-    running.close()
 
 
 @pytest.fixture(scope="module")

@@ -15,26 +15,18 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import openai
 import pytest
 import torch
 
-import draft_service.server
-import orchestrator.server
-import target_service.server
 from disco.config import MAX_LOGPROB_ENTRIES, MAX_LOGPROBS, SamplingParams, SpeculationConfig
 from disco.errors import InvalidRequest, Unavailable
 from disco.speculation.logprobs import raw_logprobs, select_logprobs
 from disco.speculation.loop import SpeculativeGenerator
-from orchestrator.client import DiscoClient
-from orchestrator.http.config import HttpConfig
-from orchestrator.http.server import start_in_thread
-from tests.grpc_fixtures import CLIENT_TIMEOUT_S, loaded
 from tests.helpers import local_generator
-from tests.test_http_api import CHAT_TEMPLATE
+from tests.http_fixtures import stack  # noqa: F401 - fixture
 
 PROMPT = "def fibonacci(n):\n    "
 TOL = 1e-4
@@ -210,31 +202,6 @@ def test_a_re_prefilled_target_session_keeps_the_logprobs(generator, tokenizer):
 
 
 # --- gRPC and HTTP ----------------------------------------------------------------------------
-
-
-class Stack:
-    def __init__(self, target_model, draft_model, tokenizer):
-        chat_tokenizer = copy.deepcopy(tokenizer)
-        chat_tokenizer.chat_template = CHAT_TEMPLATE
-        self.target = target_service.server.serve(loaded(target_model, tokenizer, "tiny-target"))
-        self.draft = draft_service.server.serve(loaded(draft_model, tokenizer, "tiny-noisy"))
-        self.orch = orchestrator.server.serve(chat_tokenizer, self.draft.address, self.target.address)
-        self.http = start_in_thread(HttpConfig(self.orch.address, port=0))
-        self.grpc = DiscoClient(self.orch.address, timeout=CLIENT_TIMEOUT_S)
-        self.openai = openai.OpenAI(base_url=self.http.url, api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S)
-
-    def close(self):
-        self.grpc.close()
-        self.http.stop()
-        for server in (self.orch, self.draft, self.target):
-            server.stop(0)
-
-
-@pytest.fixture(scope="module")
-def stack(target_model, drafts, tokenizer):
-    running = Stack(target_model, drafts["noisy"], tokenizer)
-    yield running
-    running.close()
 
 
 def values(entries):
