@@ -80,7 +80,7 @@ def signals(p1, entropy=1.0):
 def test_feature_vector_follows_block_and_session_state():
     spec = FeatureSpec()
     names = spec.names
-    assert len(names) == len(set(names)) == 25 and names[:3] == ("p1", "p2", "p3")
+    assert len(names) == len(set(names)) == 30 and names[:3] == ("p1", "p2", "p3")
     extractor = FeatureExtractor(spec)
     extractor.begin_block()
     first = dict(zip(names, extractor.token(0, signals(0.8))))
@@ -93,6 +93,19 @@ def test_feature_vector_follows_block_and_session_state():
     third = dict(zip(names, extractor.token(0, signals(0.9))))
     assert third["prev_accepted"] == 1 and third["prev_drafted"] == 2 and third["prev_full"] == 0
     assert third["cum_p1"] == pytest.approx(0.9) and third["session_rate"] == pytest.approx(2 / 4)
+
+
+def test_draw_features_tell_a_tail_draw_from_the_argmax():
+    extractor = FeatureExtractor(FeatureSpec(), temperature=0.7)
+    names = extractor.spec.names
+    extractor.begin_block()
+    argmax = dict(zip(names, extractor.token(0, signals(0.6))))  # the drawn token is the argmax
+    tail = dict(zip(names, extractor.token(1, TokenSignals(topk_probs=(0.6, 0.2) + (0.01,) * 8, entropy=1.0,
+                                                          token_prob=0.15))))
+    assert argmax["is_argmax"] == 1 and argmax["log_token_ratio"] == 0 and argmax["token_prob"] == pytest.approx(0.6)
+    assert tail["is_argmax"] == 0 and tail["log_token_ratio"] == pytest.approx(np.log(0.15 / 0.6))
+    assert tail["cum_log_token_prob"] == pytest.approx(np.log(0.6) + np.log(0.15))
+    assert argmax["temperature"] == tail["temperature"] == 0.7
 
 
 def test_feature_spec_refuses_unknown_groups_and_versions():
@@ -168,6 +181,7 @@ def test_conditional_label_only_counts_tokens_after_an_accepted_prefix():
 
     class Record:
         matches = np.array([1, 0, 1, 1], dtype=bool)
+        temperature = 0.0
 
     collector = ExampleCollector(Record(), FeatureSpec(), None)
     collector.begin_block()

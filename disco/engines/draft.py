@@ -117,6 +117,7 @@ class DraftEngine:
                                  f"{len(prompt_ids)} tokens")
         self.sessions.check_capacity()  # before building the policy (it may load an artifact)
         policy = self.policy_factory.build(policy_spec, reference_ids)
+        policy.bind_sampling(0.0 if sampling.is_greedy else sampling.temperature)
         # Admitted (count and KV bytes of every token it can reach) before paying for a prefill.
         reserved = min(self.max_context, len(prompt_ids) + sampling.max_new_tokens)
         with self.sessions.admitting(session_id, reserved):

@@ -21,6 +21,16 @@ prompt we need (see "Training DISCO cheaply" in the design):
    4D attention mask over the trunk KV cache), so the horizon costs ``horizon`` draft
    forwards per prompt, not one per mismatch and step.
 
+**Sampled records** (``RecordConfig.temperature > 0``): under drafter-invariant sampling
+(:mod:`disco.speculation.sampling`) the token at each position is the Gumbel-max sample of the
+warped distribution under the noise of ``(seed, position)``, for the target and the draft
+alike. So the same construction holds with ``cont`` the target's *sampled* continuation (any
+policy gives it) and ``draft[i]`` the draft's own draw at ``prompt_len + i`` from its
+teacher-forced distribution there: token ``i`` is accepted iff ``draft[i] == cont[i]`` and its
+block's earlier tokens were; branches draw the same way (:mod:`disco.offline.branches`). Each
+prompt gets its own seed (:func:`record_seed`); the signals stay the raw (temperature 1)
+ones of the drawn token, as live.
+
 Replay (:mod:`disco.offline.replay`) is therefore exact for every policy whenever a block never
 runs more than ``horizon`` tokens past its first rejection — always for ``horizon >=
 max_lookahead - 1`` — up to floating-point differences between one long forward and the
@@ -54,9 +64,11 @@ from disco.engines.draft import DraftEngine
 from disco.engines.kv import CachedSequence
 from disco.engines.target import TargetEngine
 from disco.errors import InvalidRequest
+from disco.offline.branches import TokenChooser, branches_cached, branches_sequential, branches_tree
 from disco.offline.datasets import Dataset
 from disco.speculation.loop import SpeculativeGenerator
 from disco.speculation.policies import PolicyFactory
+from disco.speculation.sampling import noise_key
 from disco.speculation.signals import TOP_K_SIGNALS, TokenSignals, token_signals
 
 logger = logging.getLogger(__name__)
@@ -76,12 +88,48 @@ class RecordConfig:
     horizon: int = 8  # free-running draft steps stored after each mismatch
     with_hidden: bool = False  # store the draft's last hidden state per token
     generation_policy: str = "none"  # produces the continuation; output is identical for any
+    # Sampled records (temperature > 0): the target's sampled continuation and the draft's own
+    # draws under drafter-invariant sampling, the noise keyed by a seed per prompt derived from
+    # ``seed`` and the prompt (:func:`record_seed`). Greedy records ignore these fields.
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
 
     def validate(self) -> None:
         if self.max_new_tokens < 2:
             raise InvalidRequest(f"--max-new-tokens must be >= 2 for records, got {self.max_new_tokens}")
         if self.horizon < 0:
             raise InvalidRequest(f"--horizon must be >= 0, got {self.horizon}")
+        self.sampling(0).validate()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def sampling(self, seed: int) -> SamplingParams:
+        """How the continuation is generated and the draft's tokens chosen (``seed``: the prompt's)."""
+        if self.is_greedy:
+            return SamplingParams(max_new_tokens=self.max_new_tokens, ignore_eos=True)
+        return SamplingParams(max_new_tokens=self.max_new_tokens, ignore_eos=True, temperature=self.temperature,
+                              top_p=self.top_p, top_k=self.top_k, seed=seed)
+
+    def key_fields(self) -> dict:
+        """The fields the cache key hashes: a greedy record's key is the one it had before
+        sampled records existed (its cached records stay valid)."""
+        fields = asdict(self)
+        if self.is_greedy:
+            for name in ("temperature", "top_p", "top_k", "seed"):
+                fields.pop(name)
+        else:
+            fields["rule"] = "invariant"
+        return fields
+
+
+def record_seed(base_seed: int, key: str) -> int:
+    """The noise seed of one prompt's sampled record: a function of the config's seed and the
+    prompt's file key (so prompts do not share noise, and a record is reproducible)."""
+    return noise_key(base_seed, int(key[:15], 16)) & ((1 << 63) - 1)
 
 
 @dataclass
@@ -104,6 +152,8 @@ class OracleRecord:
     hidden: np.ndarray | None = None  # [M, hidden] float32
     branch_hidden: np.ndarray | None = None  # [T, hidden] float32
     seconds: float = 0.0  # time it took to compute
+    temperature: float = 0.0  # 0: greedy record; else sampled with this temperature (RecordConfig)
+    seed: int = 0  # the noise seed of a sampled record (record_seed)
 
     _ARRAYS = ("prompt_ids", "continuation", "draft_tokens", "topk", "entropy", "token_prob", "branch_pos",
                "branch_offsets", "branch_tokens", "branch_topk", "branch_entropy", "branch_token_prob")
@@ -154,6 +204,8 @@ class OracleRecord:
             arrays["hidden"], arrays["branch_hidden"] = self.hidden, self.branch_hidden
         arrays["id"] = np.array(self.id)
         arrays["seconds"] = np.array(self.seconds)
+        if self.temperature > 0:
+            arrays["temperature"], arrays["seed"] = np.array(self.temperature), np.array(self.seed)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.npz")
         np.savez(tmp, **arrays)
         os.replace(tmp, path)
@@ -164,8 +216,10 @@ class OracleRecord:
             fields = {name: data[name] for name in OracleRecord._ARRAYS}
             hidden = data["hidden"] if "hidden" in data else None
             branch_hidden = data["branch_hidden"] if "branch_hidden" in data else None
+            sampled = {"temperature": float(data["temperature"]), "seed": int(data["seed"])} if (
+                "temperature" in data) else {}
             return OracleRecord(id=str(data["id"]), hidden=hidden, branch_hidden=branch_hidden,
-                                seconds=float(data["seconds"]), **fields)
+                                seconds=float(data["seconds"]), **sampled, **fields)
 
 
 @dataclass
@@ -202,7 +256,7 @@ def model_identity(model: torch.nn.Module, fingerprint: str, tokenizer_hash: str
 def pair_key(target_identity: dict, draft_identity: dict, config: RecordConfig) -> str:
     """Folder key: models (fingerprints, tokenizer, dtype), record config, versions."""
     payload = {"version": RECORDS_VERSION, "target": target_identity, "draft": draft_identity,
-               "config": asdict(config), "top_k": TOP_K_SIGNALS}
+               "config": config.key_fields(), "top_k": TOP_K_SIGNALS}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -260,7 +314,8 @@ def build_records(
         if path is not None and path.is_file():  # another process computed it meanwhile
             records[index] = OracleRecord.load(path)
             continue
-        record = compute_record(generator, draft_model, item.id, prompt_ids, config)
+        record = compute_record(generator, draft_model, item.id, prompt_ids, config,
+                                seed=record_seed(config.seed, prompt_key(item.id, prompt_ids)))
         if path is not None:
             record.save(path)
         records[index] = record
@@ -285,10 +340,13 @@ def _progress(items, enabled: bool, desc: str):
 
 
 def compute_record(generator: SpeculativeGenerator, draft_model: torch.nn.Module, record_id: str,
-                   prompt_ids: Sequence[int], config: RecordConfig, branch_mode: str = "auto") -> OracleRecord:
-    """The oracle record of one prompt (see the module docstring)."""
+                   prompt_ids: Sequence[int], config: RecordConfig, branch_mode: str = "auto",
+                   seed: int = 0) -> OracleRecord:
+    """The oracle record of one prompt (see the module docstring); ``seed``: the noise seed
+    of a sampled record (:func:`record_seed`)."""
     started = time.perf_counter()
-    sampling = SamplingParams(max_new_tokens=config.max_new_tokens, ignore_eos=True)
+    sampling = config.sampling(seed)
+    chooser = TokenChooser(sampling)
     result = generator.generate(list(prompt_ids), sampling, SpeculationConfig(policy=config.generation_policy))
     cont = list(result.token_ids)
     assert len(cont) == config.max_new_tokens
@@ -296,7 +354,8 @@ def compute_record(generator: SpeculativeGenerator, draft_model: torch.nn.Module
     with torch.inference_mode():
         trunk = CachedSequence(draft_model, list(prompt_ids) + cont[:-1])
         logits, hidden = trunk.forward(len(cont), want_hidden=config.with_hidden)  # [M, vocab], [M, hidden]
-    draft_tokens = [int(t) for t in logits.argmax(dim=-1)]
+    prompt_len = len(prompt_ids)
+    draft_tokens = [chooser.choose(logits[i], prompt_len + i) for i in range(len(cont))]
     signals = [token_signals(logits[i], draft_tokens[i]) for i in range(len(cont))]
     del logits
     mismatches = [p for p in range(len(cont)) if draft_tokens[p] != cont[p]]
@@ -307,13 +366,14 @@ def compute_record(generator: SpeculativeGenerator, draft_model: torch.nn.Module
         # GEMM packs the weights per call), a few branches are cheaper one by one.
         branch_mode = "tree" if len(branches) > TREE_MIN_BRANCHES else "cached"
     if branch_mode == "tree":
-        branch_out = _branches_tree(draft_model, trunk, len(prompt_ids), draft_tokens, branches, config.with_hidden)
+        branch_out = branches_tree(draft_model, trunk, prompt_len, draft_tokens, branches, config.with_hidden,
+                                   chooser)
     elif branch_mode == "cached":
-        branch_out = _branches_cached(draft_model, trunk, len(prompt_ids), draft_tokens, branches,
-                                      config.with_hidden)
+        branch_out = branches_cached(draft_model, trunk, prompt_len, draft_tokens, branches, config.with_hidden,
+                                     chooser)
     elif branch_mode == "sequential":
-        branch_out = _branches_sequential(draft_model, list(prompt_ids), cont, draft_tokens, branches,
-                                          config.with_hidden)
+        branch_out = branches_sequential(draft_model, list(prompt_ids), cont, draft_tokens, branches,
+                                         config.with_hidden, chooser)
     else:
         raise ValueError(f"unknown branch mode {branch_mode!r}")
     del trunk
@@ -344,83 +404,9 @@ def compute_record(generator: SpeculativeGenerator, draft_model: torch.nn.Module
         branch_hidden=(np.stack([h.numpy() for _, _, h in flat]).astype(np.float32) if flat
                        else np.zeros((0, hidden_size), dtype=np.float32)) if hidden is not None else None,
         seconds=time.perf_counter() - started,
+        temperature=config.temperature if not config.is_greedy else 0.0,
+        seed=seed if not config.is_greedy else 0,
     )
-
-
-BranchSteps = list[tuple[int, TokenSignals, "torch.Tensor | None"]]
-
-
-@torch.inference_mode()
-def _branches_tree(model: torch.nn.Module, trunk: CachedSequence, prompt_len: int, draft_tokens: list[int],
-                   branches: dict[int, int], want_hidden: bool) -> dict[int, BranchSteps]:
-    """All branches, one draft forward per step: the step's tokens (one per live branch)
-    are appended to the trunk's KV cache; a 4D mask lets each attend to the trunk up to
-    its mismatch and to its own earlier branch tokens only."""
-    out: dict[int, BranchSteps] = {p: [] for p in branches}
-    slots: dict[int, list[int]] = {p: [] for p in branches}  # cache slots of each branch's tokens
-    kv_len = trunk.cache_len
-    device = trunk.device
-    for step in range(max(branches.values(), default=0)):
-        live = [p for p, n in branches.items() if step < n]
-        inputs = [draft_tokens[p] if step == 0 else out[p][step - 1][0] for p in live]
-        positions = [prompt_len + p + step for p in live]
-        mask = torch.zeros((1, 1, len(live), kv_len + len(live)), dtype=torch.bool, device=device)
-        for row, p in enumerate(live):
-            mask[0, 0, row, :prompt_len + p] = True
-            mask[0, 0, row, slots[p]] = True
-            mask[0, 0, row, kv_len + row] = True
-            slots[p].append(kv_len + row)
-        output = model(input_ids=torch.tensor([inputs], device=device), attention_mask=mask,
-                       position_ids=torch.tensor([positions], device=device), cache=trunk.cache, use_cache=True,
-                       output_hidden_states=want_hidden)
-        kv_len += len(live)
-        logits = output.logits[0].float()  # [live, vocab]
-        hidden = output.hidden_states[-1][0].float() if want_hidden else None
-        for row, p in enumerate(live):
-            token = int(logits[row].argmax())
-            out[p].append((token, token_signals(logits[row], token), hidden[row].clone() if want_hidden else None))
-    return out
-
-
-@torch.inference_mode()
-def _branches_cached(model: torch.nn.Module, trunk: CachedSequence, prompt_len: int, draft_tokens: list[int],
-                     branches: dict[int, int], want_hidden: bool) -> dict[int, BranchSteps]:
-    """Branch by branch, single-token forwards on a copy of the trunk's KV cache cropped
-    to the mismatch (no prefix recomputation)."""
-    import copy  # noqa: PLC0415
-
-    out: dict[int, BranchSteps] = {}
-    for p, n in sorted(branches.items()):
-        sequence = CachedSequence(model, trunk.tokens[:prompt_len + p] + [draft_tokens[p]])
-        sequence.cache = copy.deepcopy(trunk.cache)
-        sequence.cache.crop(-(trunk.cache_len - (prompt_len + p)))  # negative: tokens to remove
-        sequence.cache_len = prompt_len + p
-        out[p] = _draft_greedily(sequence, n, want_hidden)
-    return out
-
-
-@torch.inference_mode()
-def _branches_sequential(model: torch.nn.Module, prompt_ids: list[int], cont: list[int], draft_tokens: list[int],
-                         branches: dict[int, int], want_hidden: bool) -> dict[int, BranchSteps]:
-    """Reference implementation: each branch drafted like the live draft engine does
-    (fresh prefill, then single-token forwards). Slow; used by tests."""
-    out: dict[int, BranchSteps] = {}
-    for p, n in branches.items():
-        sequence = CachedSequence(model, prompt_ids + cont[:p] + [draft_tokens[p]])
-        sequence.prefill()
-        out[p] = _draft_greedily(sequence, n, want_hidden)
-    return out
-
-
-def _draft_greedily(sequence: CachedSequence, steps: int, want_hidden: bool) -> BranchSteps:
-    """``steps`` greedy single-token draft forwards from ``sequence``, as the live engine drafts."""
-    out: BranchSteps = []
-    for _ in range(steps):
-        logits, hidden = sequence.forward(1, want_hidden=want_hidden)
-        token = int(logits[0].argmax())
-        out.append((token, token_signals(logits[0], token), hidden[0] if hidden is not None else None))
-        sequence.tokens.append(token)
-    return out
 
 
 def identify_model(config, role: str, home: Path) -> dict | None:

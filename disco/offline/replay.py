@@ -195,10 +195,16 @@ def replay_policy(records: RecordSet, build: PolicyBuilder | str, max_lookahead:
         name = name or build
         build = policy_builder(build, eos_token_ids=records.eos_token_ids, honor_eos=honor_eos,
                                max_new_tokens=max_new_tokens)
-    results = [replay_record(record, build(record), max_new_tokens, max_lookahead, records.eos_token_ids,
+    results = [replay_record(record, _bound(build(record), record), max_new_tokens, max_lookahead, records.eos_token_ids,
                              honor_eos, observer_factory() if observer_factory else None, with_hidden)
                for record in records.records]
     return PolicyReplay(policy=name or "?", records=results)
+
+
+def _bound(policy: StopPolicy, record: OracleRecord) -> StopPolicy:
+    """The policy told the record's sampling temperature, as the draft engine tells it live."""
+    policy.bind_sampling(record.temperature)
+    return policy
 
 
 def summarize(replayed: PolicyReplay, cost: CostModel, baseline_seconds: float) -> dict:

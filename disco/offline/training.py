@@ -59,7 +59,7 @@ class ExampleCollector:
 
     def __init__(self, record: OracleRecord, spec: FeatureSpec, projection: Projection | None) -> None:
         self.record = record
-        self.extractor = FeatureExtractor(spec, projection)
+        self.extractor = FeatureExtractor(spec, projection, temperature=record.temperature)
         self.rows: list[np.ndarray] = []
         self.current: list[int] = []
         self.next: list[int] = []
@@ -86,9 +86,18 @@ class ExampleCollector:
         self.extractor.feedback(num_drafted, num_accepted)
 
 
+def prompt_groups(records: RecordSet) -> np.ndarray:
+    """``[records]`` int64: one group per prompt id, so a prompt's greedy and sampled records
+    always fall in the same fold (no prompt judges a classifier that trained on it)."""
+    order: dict[str, int] = {}
+    return np.asarray([order.setdefault(r.id, len(order)) for r in records.records], dtype=np.int64)
+
+
 def collect_examples(records: RecordSet, builders: dict[str, Callable], spec: FeatureSpec,
                      projection: Projection | None, max_lookahead: int) -> Examples:
-    """Replay each policy (name -> per-record builder) and collect every draft token."""
+    """Replay each policy (name -> per-record builder) and collect every draft token
+    (examples grouped by prompt: :func:`prompt_groups`)."""
+    record_group = prompt_groups(records)
     rows, current, nxt, conditional, groups = [], [], [], [], []
     for name, build in builders.items():
         collectors: list[ExampleCollector] = []
@@ -105,7 +114,7 @@ def collect_examples(records: RecordSet, builders: dict[str, Callable], spec: Fe
             current.extend(collector.current)
             nxt.extend(collector.next)
             conditional.extend(collector.conditional)
-            groups.extend([index] * len(collector.rows))
+            groups.extend([int(record_group[index])] * len(collector.rows))
     width = len(spec.names)
     return Examples(x=np.asarray(rows, dtype=np.float64).reshape(-1, width),
                     labels={"current": np.asarray(current, dtype=np.int64), "next": np.asarray(nxt, dtype=np.int64),
@@ -244,8 +253,9 @@ def train_disco_cv(train: RecordSet, validation: RecordSet, cost: CostModel, spe
     pool = RecordSet(meta=train.meta, records=list(train.records) + list(validation.records), path=train.path)
     projection = fit_projection(pool, spec.hidden_dims) if spec.needs_hidden else None
     examples = collect_examples(pool, reference_builders(pool, reference_policies), spec, projection, max_lookahead)
-    folds = max(2, min(folds, len(pool.records)))
-    fold_of = np.arange(len(pool.records)) % folds
+    record_group = prompt_groups(pool)
+    folds = max(2, min(folds, int(record_group.max()) + 1))
+    fold_of = record_group % folds  # per record; examples.groups holds the same prompt groups
     log(f"{len(examples)} examples from {len(pool.records)} prompts ({examples.labels['current'].mean():.1%} "
         f"accepted), {len(spec.names)} features, {folds}-fold replay selection")
     pairs = candidates(labels, rules)
@@ -254,7 +264,7 @@ def train_disco_cv(train: RecordSet, validation: RecordSet, cost: CostModel, spe
     for fold in range(folds):
         held = RecordSet(meta=pool.meta, records=[r for r, f in zip(pool.records, fold_of) if f == fold],
                          path=pool.path)
-        keep = fold_of[examples.groups] != fold
+        keep = examples.groups % folds != fold
         part = Examples(x=examples.x[keep], labels={k: v[keep] for k, v in examples.labels.items()},
                         groups=examples.groups[keep])
         baseline += target_only_seconds(held, cost)
@@ -318,17 +328,26 @@ def split_datasets(dataset_spec: str, limit: int | None, validation_spec: str | 
     return train, validation, is_humaneval
 
 
-def run_train_command(args: argparse.Namespace, pair_records, record_config, cost: CostModel) -> int:
-    train_ds, val_ds, _ = split_datasets(args.dataset, args.limit, args.validation, args.validation_limit)
+def _split(pair_records, train_ds: Dataset, val_ds: Dataset | None, record_config) -> tuple[RecordSet, RecordSet]:
     train = pair_records.get(train_ds, record_config)
     if val_ds is not None:
-        validation = pair_records.get(val_ds, record_config)
-    else:
-        cut = max(1, len(train.records) * 3 // 4)
-        if cut >= len(train.records):
-            raise InvalidRequest("need at least 2 prompts to hold out a validation part (or pass --validation)")
-        validation = RecordSet(meta=train.meta, records=train.records[cut:], path=train.path)
-        train = RecordSet(meta=train.meta, records=train.records[:cut], path=train.path)
+        return train, pair_records.get(val_ds, record_config)
+    cut = max(1, len(train.records) * 3 // 4)
+    if cut >= len(train.records):
+        raise InvalidRequest("need at least 2 prompts to hold out a validation part (or pass --validation)")
+    return (RecordSet(meta=train.meta, records=train.records[:cut], path=train.path),
+            RecordSet(meta=train.meta, records=train.records[cut:], path=train.path))
+
+
+def run_train_command(args: argparse.Namespace, pair_records, record_configs: Sequence, cost: CostModel) -> int:
+    """``disco train``: records at each of ``record_configs`` (greedy and sampled
+    temperatures) pooled, the same prompts held out of every one."""
+    from disco.offline.report import merge  # noqa: PLC0415
+
+    train_ds, val_ds, _ = split_datasets(args.dataset, args.limit, args.validation, args.validation_limit)
+    splits = [_split(pair_records, train_ds, val_ds, config) for config in record_configs]
+    train, validation = merge([t for t, _ in splits]), merge([v for _, v in splits])
+    record_config = record_configs[0]
     groups = tuple(args.groups.split(",")) if args.groups else DEFAULT_GROUPS
     spec = FeatureSpec(groups=groups, hidden_dims=args.hidden_dims if "hidden" in groups else 0)
     kinds = tuple(k.strip() for k in args.models.split(",") if k.strip())
@@ -341,6 +360,7 @@ def run_train_command(args: argparse.Namespace, pair_records, record_config, cos
         "target": {**train.meta["target"], "name": args.target or "default pair target (Qwen2.5-Coder-1.5B-Instruct)"},
         "training": {"dataset": train_ds.name, "validation_dataset": val_ds.name if val_ds else "held-out 25%",
                      "max_new_tokens": record_config.max_new_tokens, "horizon": record_config.horizon,
+                     "temperatures": [config.temperature for config in record_configs],
                      "command": "disco " + " ".join(sys.argv[1:]) if "train" in sys.argv[1:] else None},
     }
     log = lambda line: print(line, file=sys.stderr)  # noqa: E731
@@ -364,7 +384,8 @@ def run_train_command(args: argparse.Namespace, pair_records, record_config, cos
     return 0
 
 
-def run_tune_command(args: argparse.Namespace, pair_records, record_config, cost_from_args) -> int:
+def run_tune_command(args: argparse.Namespace, pair_records, record_configs: Sequence | None,
+                     cost_from_args) -> int:
     from disco.speculation.policies.learned import read_artifact  # noqa: PLC0415
 
     artifact = read_artifact(args.artifact)
@@ -374,7 +395,10 @@ def run_tune_command(args: argparse.Namespace, pair_records, record_config, cost
         raise InvalidRequest("disco tune needs --dataset (the validation split to replay, e.g. humaneval:validation)")
     if args.dataset.endswith(":test"):
         raise InvalidRequest("tune on a validation split, never on test")
-    validation = pair_records.get(load_dataset(args.dataset, args.limit), record_config)
+    from disco.offline.report import merge  # noqa: PLC0415
+
+    dataset = load_dataset(args.dataset, args.limit)
+    validation = merge([pair_records.get(dataset, config) for config in record_configs or ()])
     max_lookahead = args.max_lookahead or int(artifact.metadata.get("max_lookahead", DEFAULT_REPLAY_LOOKAHEAD))
     old = artifact.threshold
     threshold, speedup = retune(artifact, validation, cost, max_lookahead)

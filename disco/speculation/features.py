@@ -19,6 +19,12 @@ Feature groups (``FEATURE_VERSION`` 1; names in this order, stored in the artifa
 * ``session`` — ``prev_accepted`` and ``prev_drafted`` (last verification),
   ``prev_full`` (1 if it accepted every draft token), ``session_rate`` (accepted /
   drafted so far, with one prior success and one prior failure);
+* ``draw`` — which token was drawn (under sampling the draft draws from its warped
+  distribution, and a draw that is not its argmax is accepted about half as often:
+  docs/bench/sampling): ``token_prob`` (its raw probability), ``log_token_ratio``
+  (log token_prob / p1, 0 for the argmax), ``is_argmax``, ``cum_log_token_prob`` (Σ log
+  token_prob over the block so far) and ``temperature`` (the request's; 0 when greedy).
+  Under greedy decoding they repeat ``p1``/``cum_log_p1`` and are constant otherwise;
 * ``hidden`` — ``h0 … h{d-1}``: the draft's last hidden state, centred and projected
   (PCA fitted on training data, as in SpecDec++); needs the hidden state per token.
 """
@@ -37,15 +43,18 @@ from disco.speculation.signals import TOP_K_SIGNALS, TokenSignals
 #: Bump when a feature's definition or order changes; artifacts of another version are refused.
 FEATURE_VERSION = 1
 
-GROUPS = ("probs", "position", "block", "session", "hidden")
-DEFAULT_GROUPS = ("probs", "position", "block", "session")
+GROUPS = ("probs", "position", "block", "session", "draw", "hidden")
+DEFAULT_GROUPS = ("probs", "position", "block", "session", "draw")
 
 _GROUP_NAMES: dict[str, tuple[str, ...]] = {
     "probs": tuple(f"p{i + 1}" for i in range(TOP_K_SIGNALS)) + ("entropy", "margin", "logit_p1", "tail"),
     "position": ("position", "is_first"),
     "block": ("cum_log_p1", "cum_p1", "min_p1", "prev_p1", "prev_entropy"),
     "session": ("prev_accepted", "prev_drafted", "prev_full", "session_rate"),
+    "draw": ("token_prob", "log_token_ratio", "is_argmax", "cum_log_token_prob", "temperature"),
 }
+#: A drawn token whose raw probability is within this relative distance of p1 is the argmax.
+_ARGMAX_TOLERANCE = 1e-6
 _EPS = 1e-6
 
 
@@ -122,6 +131,7 @@ class FeatureSpec:
 @dataclass
 class _BlockState:
     cum_log_p1: float = 0.0
+    cum_log_token_prob: float = 0.0
     min_p1: float = 1.0
     prev_p1: float = 1.0
     prev_entropy: float = 0.0
@@ -135,6 +145,7 @@ class FeatureExtractor:
 
     spec: FeatureSpec = field(default_factory=FeatureSpec)
     projection: Projection | None = None
+    temperature: float = 0.0  # the request's sampling temperature (0: greedy); the draw group reads it
     _block: _BlockState = field(default_factory=_BlockState)
     prev_accepted: int = 0
     prev_drafted: int = 0
@@ -155,6 +166,8 @@ class FeatureExtractor:
         p1 = float(probs[0])
         block = self._block
         cum_log_p1 = block.cum_log_p1 + math.log(max(p1, _EPS))
+        log_token_prob = math.log(max(float(signals.token_prob), _EPS))
+        cum_log_token_prob = block.cum_log_token_prob + log_token_prob
         values: list[float] = []
         for group in self.spec.groups:
             if group == "probs":
@@ -170,6 +183,10 @@ class FeatureExtractor:
             elif group == "session":
                 values += [float(self.prev_accepted), float(self.prev_drafted), self.prev_full,
                            (self.accepted_total + 1) / (self.drafted_total + 2)]
+            elif group == "draw":
+                is_argmax = float(signals.token_prob) >= p1 * (1 - _ARGMAX_TOLERANCE)
+                values += [float(signals.token_prob), min(0.0, log_token_prob - math.log(max(p1, _EPS))),
+                           1.0 if is_argmax else 0.0, cum_log_token_prob, float(self.temperature)]
             elif group == "hidden":
                 if signals.hidden is None:
                     raise InvalidRequest("hidden-state features need the draft's hidden state per token")
@@ -182,6 +199,7 @@ class FeatureExtractor:
                 assert self.projection is not None
                 values.extend(float(v) for v in self.projection.apply(hidden))
         block.cum_log_p1 = cum_log_p1
+        block.cum_log_token_prob = cum_log_token_prob
         block.min_p1 = min(block.min_p1, p1)
         block.prev_p1, block.prev_entropy = p1, signals.entropy
         return np.asarray(values, dtype=np.float64)

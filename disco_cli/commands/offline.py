@@ -35,7 +35,7 @@ def register(subparsers) -> None:
     train.add_argument("--models", default="logreg,mlp,gbm",
                        help="comma-separated classifiers to try: logreg, mlp, gbm (default all)")
     train.add_argument("--groups", default=None,
-                       help="feature groups, comma-separated (default probs,position,block,session; "
+                       help="feature groups, comma-separated (default probs,position,block,session,draw; "
                             "add hidden for the projected hidden state)")
     train.add_argument("--hidden-dims", type=int, default=16, help="PCA dims of the hidden state (with hidden)")
     train.add_argument("--label", default="auto", choices=["auto", "current", "next", "conditional"],
@@ -115,6 +115,12 @@ def _add_data_args(parser: argparse.ArgumentParser, dataset_required: bool = Tru
                         help="free-running draft steps stored after each mismatch (default 6; replay is "
                              "exact when no block runs further past its first rejection)")
     parser.add_argument("--no-hidden", action="store_true", help="do not store the draft's hidden states")
+    parser.add_argument("--temperatures", default="0", metavar="T,...",
+                        help="record at these sampling temperatures, comma-separated (default 0: greedy); "
+                             "each T > 0 adds sampled records (drafter-invariant sampling, one seed per prompt)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="top_p of the sampled records (default 1.0)")
+    parser.add_argument("--record-seed", type=int, default=0,
+                        help="base seed the sampled records' per-prompt seeds derive from (default 0)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     add_model_args(parser)
     # NOTE: records default to float32: replay is then exact, and on CPUs without native
@@ -133,12 +139,30 @@ def _add_cost_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--rtt", type=float, default=None, help="override the cost model's round-trip seconds")
 
 
-def _record_config(args: argparse.Namespace):
+def _record_configs(args: argparse.Namespace) -> list:
+    """One record config per ``--temperatures`` entry (validated before any model loads)."""
+    from disco.errors import InvalidRequest  # noqa: PLC0415
     from disco.offline.records import RecordConfig  # noqa: PLC0415
 
-    config = RecordConfig(max_new_tokens=args.max_new_tokens, horizon=args.horizon, with_hidden=not args.no_hidden)
-    config.validate()
-    return config
+    try:
+        temperatures = [float(t) for t in args.temperatures.split(",") if t.strip()]
+    except ValueError:
+        raise InvalidRequest(f"--temperatures must be comma-separated numbers, got {args.temperatures!r}") from None
+    if not temperatures or len(set(temperatures)) != len(temperatures):
+        raise InvalidRequest(f"--temperatures needs distinct values, got {args.temperatures!r}")
+    configs = [RecordConfig(max_new_tokens=args.max_new_tokens, horizon=args.horizon, with_hidden=not args.no_hidden,
+                            temperature=t, top_p=args.top_p if t > 0 else 1.0, seed=args.record_seed)
+               for t in temperatures]
+    for config in configs:
+        config.validate()
+    return configs
+
+
+def _records(args: argparse.Namespace, pair_records, dataset):
+    """The records of ``dataset`` at every ``--temperatures`` entry, as one set."""
+    from disco.offline.report import merge  # noqa: PLC0415
+
+    return merge([pair_records.get(dataset, config) for config in _record_configs(args)])
 
 
 def _pair_records(args: argparse.Namespace):
@@ -168,7 +192,7 @@ def run_records(args: argparse.Namespace) -> int:
     from disco.offline.datasets import load_dataset  # noqa: PLC0415
 
     dataset = load_dataset(args.dataset, args.limit)
-    records = _pair_records(args).get(dataset, _record_config(args))
+    records = _records(args, _pair_records(args), dataset)
     tokens = sum(len(r.continuation) for r in records.records)
     accepted = sum(int(r.matches.sum()) for r in records.records)
     summary = {"dataset": dataset.name, "prompts": len(records.records), "path": str(records.path),
@@ -182,7 +206,7 @@ def run_records(args: argparse.Namespace) -> int:
 def run_train(args: argparse.Namespace) -> int:
     from disco.offline import training  # noqa: PLC0415
 
-    return training.run_train_command(args, _pair_records(args), _record_config(args), _cost_model(args))
+    return training.run_train_command(args, _pair_records(args), _record_configs(args), _cost_model(args))
 
 
 def run_replay(args: argparse.Namespace) -> int:
@@ -190,7 +214,7 @@ def run_replay(args: argparse.Namespace) -> int:
     from disco.offline.datasets import load_dataset  # noqa: PLC0415
 
     dataset = load_dataset(args.dataset, args.limit)
-    records = _pair_records(args).get(dataset, _record_config(args))
+    records = _records(args, _pair_records(args), dataset)
     cost = _cost_model(args)
     report = replay.replay_report(records, replay.expand_policies(args.policies), cost,
                                   max_lookahead=args.max_lookahead or replay.DEFAULT_REPLAY_LOOKAHEAD,
@@ -208,7 +232,7 @@ def run_tune(args: argparse.Namespace) -> int:
     from disco.offline import training  # noqa: PLC0415
 
     return training.run_tune_command(args, _pair_records(args) if args.dataset else None,
-                                     _record_config(args) if args.dataset else None, _cost_model)
+                                     _record_configs(args) if args.dataset else None, _cost_model)
 
 
 def run_cost_model(args: argparse.Namespace) -> int:
@@ -233,11 +257,11 @@ def run_report(args: argparse.Namespace) -> int:
     from disco.offline.datasets import load_dataset  # noqa: PLC0415
     from disco.speculation.policies.learned import load_artifact  # noqa: PLC0415
 
-    pair_records, config = _pair_records(args), _record_config(args)
-    test = pair_records.get(load_dataset(args.dataset, args.limit), config)
+    pair_records = _pair_records(args)
+    test = _records(args, pair_records, load_dataset(args.dataset, args.limit))
     tune_specs = args.tune_dataset or ["humaneval:train", "humaneval:validation"]
     limits = (args.tune_limit or []) + [None] * len(tune_specs)
-    tune = report.merge([pair_records.get(load_dataset(spec, limit), config)
+    tune = report.merge([_records(args, pair_records, load_dataset(spec, limit))
                          for spec, limit in zip(tune_specs, limits)])
     artifact = load_artifact(args.artifact) if args.artifact else None
     stored = artifact.metadata.get("cost_model") if artifact is not None else None

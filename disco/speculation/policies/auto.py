@@ -190,6 +190,9 @@ class AutoPolicy(StopPolicy):
         assert cost is not None
         return drafted * cost.t_draft + cost.verify(drafted) + 2 * cost.t_rtt
 
+    def bind_sampling(self, temperature: float) -> None:
+        self.disco.bind_sampling(temperature)
+
     def observe_verification(self, num_drafted: int, num_accepted: int) -> None:
         if self.calibration is not None and self._predictions:
             self.calibration.observe(self._predictions[:num_drafted], num_accepted)

@@ -44,6 +44,10 @@ class StopPolicy:
         """Called after each draft token; ``position`` is 0-based within the block."""
         return Decision.CONTINUE
 
+    def bind_sampling(self, temperature: float) -> None:
+        """The request's sampling temperature (0 when greedy), told once before the first
+        block: a learned policy's features read it (``draw`` group); others ignore it."""
+
     def on_feedback(self, num_drafted: int, num_accepted: int) -> None:
         """The target accepted ``num_accepted`` of the ``num_drafted`` tokens."""
 

@@ -259,6 +259,9 @@ class DiscoPolicy(StopPolicy):
         self._cumulative = 1.0  # product of the block's probabilities so far
         self._memo = memo  # feature bytes -> probability (replay sweeps share one)
 
+    def bind_sampling(self, temperature: float) -> None:
+        self.features.temperature = temperature
+
     def begin_block(self, max_lookahead: int) -> int:
         self.features.begin_block()
         self._cumulative = 1.0
