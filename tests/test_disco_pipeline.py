@@ -200,3 +200,29 @@ def test_train_and_tune_a_cumulative_rule(capsys, workspace, trained, home, tmp_
     code, _, err = run_cli(capsys, "train", "--dataset", str(workspace["dataset"]), *workspace["models"],
                            "--label", "next", "--rule", "gain", "--out", str(tmp_path / "x.disco"))
     assert code == 2 and "need label conditional" in err
+
+
+def test_train_on_greedy_and_sampled_records(capsys, workspace, trained, home, tmp_path):
+    """`disco train --temperatures 0,0.9`: both record sets pooled; the artifact reads the
+    draw features, and a seeded sampled request under it gives the target-only text."""
+    out = tmp_path / "sampled.disco"
+    code, stdout, err = run_cli(capsys, "train", "--dataset", str(workspace["dataset"]), *workspace["models"],
+                                "--max-new-tokens", "32", "--horizon", "7", "--max-lookahead", "8",
+                                "--models", "logreg", "--label", "conditional", "--temperatures", "0,0.9",
+                                "--top-p", "0.95", "--out", str(out), "--json")
+    assert code == 0, err
+    summary = json.loads(stdout)
+    assert {"is_argmax", "temperature", "log_token_ratio"} <= set(summary["features"])
+    artifact = read_artifact(out)
+    assert artifact.metadata["training"]["temperatures"] == [0.0, 0.9]
+    texts = {}
+    for policy in ("none", f"disco:{out}"):
+        code, stdout, err = run_cli(capsys, "generate", *workspace["models"], "--prompt", TRAIN_PROMPTS[0],
+                                    "--max-new-tokens", "24", "--temperature", "0.9", "--top-p", "0.95",
+                                    "--seed", "5", "--policy", policy, "--json")
+        assert code == 0, err
+        texts[policy] = json.loads(stdout)["token_ids"]
+    assert texts["none"] == texts[f"disco:{out}"]
+    code, _, err = run_cli(capsys, "records", "--dataset", str(workspace["dataset"]), *workspace["models"],
+                           "--temperatures", "0.9,0.9")
+    assert code != 0 and "distinct" in err
