@@ -12,7 +12,7 @@ from disco.config import SamplingParams, SpeculationConfig
 from disco.offline.records import RecordConfig, build_records, compute_record, pair_key, record_seed
 from disco.offline.replay import replay_policy
 from disco.offline.training import ExampleCollector, prompt_groups
-from disco.offline.report import merge
+from disco.offline.records import merge
 from disco.speculation.features import FeatureSpec
 from disco.speculation.policies import PolicyFactory
 from disco.speculation.policies.learned import DiscoPolicy

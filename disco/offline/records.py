@@ -247,6 +247,13 @@ class RecordSet:
         return bool(self.meta["config"]["with_hidden"])
 
 
+def merge(sets: Sequence[RecordSet]) -> RecordSet:
+    """Several record sets (datasets, temperatures) of one pair as one."""
+    first = sets[0]
+    meta = dict(first.meta, dataset=" + ".join(str(s.meta.get("dataset")) for s in sets))
+    return RecordSet(meta=meta, records=[r for s in sets for r in s.records], path=first.path)
+
+
 def model_identity(model: torch.nn.Module, fingerprint: str, tokenizer_hash: str) -> dict:
     """What the cache key and artifacts record about one model."""
     return {"fingerprint": fingerprint, "tokenizer_hash": tokenizer_hash,

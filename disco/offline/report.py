@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Sequence
 
 from disco.offline.records import RecordSet
 from disco.offline.replay import DEFAULT_REPLAY_LOOKAHEAD, PolicyReplay, replay_policy, summarize, target_only_seconds
@@ -23,12 +22,6 @@ CONFIDENCE = tuple(f"confidence:{t / 20:g}" for t in range(1, 20))
 ENTROPY = tuple(f"entropy:{t / 10:g}" for t in range(1, 10))
 FIXED = ("heuristic:2", "heuristic:5", "confidence:0.4", "adaptive-confidence", "entropy",
          "entropy:lambda=0.4,adapt=0.05")
-
-
-def merge(sets: Sequence[RecordSet]) -> RecordSet:
-    first = sets[0]
-    meta = dict(first.meta, dataset=" + ".join(str(s.meta.get("dataset")) for s in sets))
-    return RecordSet(meta=meta, records=[r for s in sets for r in s.records], path=first.path)
 
 
 def _rows(records: RecordSet, builders: dict, cost: CostModel, max_lookahead: int) -> list[dict]:

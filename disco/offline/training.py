@@ -342,7 +342,7 @@ def _split(pair_records, train_ds: Dataset, val_ds: Dataset | None, record_confi
 def run_train_command(args: argparse.Namespace, pair_records, record_configs: Sequence, cost: CostModel) -> int:
     """``disco train``: records at each of ``record_configs`` (greedy and sampled
     temperatures) pooled, the same prompts held out of every one."""
-    from disco.offline.report import merge  # noqa: PLC0415
+    from disco.offline.records import merge  # noqa: PLC0415
 
     train_ds, val_ds, _ = split_datasets(args.dataset, args.limit, args.validation, args.validation_limit)
     splits = [_split(pair_records, train_ds, val_ds, config) for config in record_configs]
@@ -395,7 +395,7 @@ def run_tune_command(args: argparse.Namespace, pair_records, record_configs: Seq
         raise InvalidRequest("disco tune needs --dataset (the validation split to replay, e.g. humaneval:validation)")
     if args.dataset.endswith(":test"):
         raise InvalidRequest("tune on a validation split, never on test")
-    from disco.offline.report import merge  # noqa: PLC0415
+    from disco.offline.records import merge  # noqa: PLC0415
 
     dataset = load_dataset(args.dataset, args.limit)
     validation = merge([pair_records.get(dataset, config) for config in record_configs or ()])

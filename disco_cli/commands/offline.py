@@ -160,7 +160,7 @@ def _record_configs(args: argparse.Namespace) -> list:
 
 def _records(args: argparse.Namespace, pair_records, dataset):
     """The records of ``dataset`` at every ``--temperatures`` entry, as one set."""
-    from disco.offline.report import merge  # noqa: PLC0415
+    from disco.offline.records import merge  # noqa: PLC0415
 
     return merge([pair_records.get(dataset, config) for config in _record_configs(args)])
 
@@ -255,13 +255,14 @@ def run_cost_model(args: argparse.Namespace) -> int:
 def run_report(args: argparse.Namespace) -> int:
     from disco.offline import replay, report  # noqa: PLC0415
     from disco.offline.datasets import load_dataset  # noqa: PLC0415
+    from disco.offline.records import merge  # noqa: PLC0415
     from disco.speculation.policies.learned import load_artifact  # noqa: PLC0415
 
     pair_records = _pair_records(args)
     test = _records(args, pair_records, load_dataset(args.dataset, args.limit))
     tune_specs = args.tune_dataset or ["humaneval:train", "humaneval:validation"]
     limits = (args.tune_limit or []) + [None] * len(tune_specs)
-    tune = report.merge([_records(args, pair_records, load_dataset(spec, limit))
+    tune = merge([_records(args, pair_records, load_dataset(spec, limit))
                          for spec, limit in zip(tune_specs, limits)])
     artifact = load_artifact(args.artifact) if args.artifact else None
     stored = artifact.metadata.get("cost_model") if artifact is not None else None
