@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 from dataclasses import dataclass, field, replace
@@ -52,6 +53,51 @@ MAX_LOGPROBS = 20
 #: Checked before any work; it bounds the response (about 20 bytes an entry on the wire, so a
 #: whole result stays far below the 64 MiB the project's clients accept: orchestrator.client).
 MAX_LOGPROB_ENTRIES = 1 << 18
+#: Structured outputs (disco.speculation.grammar): the kinds of constraint, the longest
+#: specification (characters: a JSON schema, a regex, a grammar, the choices as a JSON array)
+#: and the most choices. Checked before any work; the grammar engine's own limits bound the rest.
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_STRUCTURED_CHARS = 65536
+MAX_CHOICES = 256
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the output: the draft and the target mask every token the constraint
+    does not allow, so speculative output equals target-only constrained decoding.
+
+    ``kind`` and ``spec``: ``json_schema`` (the schema as JSON text), ``json_object`` (any JSON
+    object; ``spec`` empty), ``regex`` (the whole output matches it), ``choice`` (the output is
+    one of the strings of the JSON array ``spec``), ``grammar`` (a Lark grammar, llguidance's
+    dialect)."""
+
+    kind: str
+    spec: str = ""
+
+    def validate(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidRequest(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, "
+                                 f"got {self.kind!r}")
+        if len(self.spec) > MAX_STRUCTURED_CHARS:
+            raise InvalidRequest(f"structured output ({self.kind}): the specification has {len(self.spec)} "
+                                 f"characters, more than the limit of {MAX_STRUCTURED_CHARS}")
+        if self.kind == "json_object":
+            if self.spec:
+                raise InvalidRequest("structured output (json_object) takes no specification")
+            return
+        if not self.spec:
+            raise InvalidRequest(f"structured output ({self.kind}) needs a specification")
+        if self.kind in ("json_schema", "choice"):
+            try:
+                value = json.loads(self.spec)
+            except ValueError as error:
+                raise InvalidRequest(f"structured output ({self.kind}) is not valid JSON: {error}") from None
+            if self.kind == "json_schema" and not isinstance(value, (dict, bool)):
+                raise InvalidRequest("structured output (json_schema): the schema must be a JSON object")
+            if self.kind == "choice" and (not isinstance(value, list) or not value or len(value) > MAX_CHOICES
+                                          or not all(isinstance(item, str) and item for item in value)):
+                raise InvalidRequest(f"structured output (choice): expected a list of 1 to {MAX_CHOICES} "
+                                     "non-empty strings")
 
 
 @dataclass(frozen=True)
@@ -100,6 +146,8 @@ class SamplingParams:
     # control; disco.speculation.logprobs), computed only when asked. None: not asked.
     logprobs: int | None = None  # of each generated token, and its this many most likely alternatives
     prompt_logprobs: int | None = None  # of each prompt token after the first, likewise (prefill)
+    # A constraint on the output (JSON schema, regex, choice, grammar), masked by draft and target alike.
+    structured: StructuredOutput | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -109,7 +157,8 @@ class SamplingParams:
     def has_logits_controls(self) -> bool:
         """Whether any history-dependent control changes the logits (min_p aside, which warps
         them with temperature, top-k and top-p): when none does, the engines skip them at no cost."""
-        return bool(self.bad_words_token_ids or self.logit_bias or self.repetition_penalty != 1.0
+        return bool(self.structured is not None or self.bad_words_token_ids or self.logit_bias
+                    or self.repetition_penalty != 1.0
                     or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                     or (self.min_tokens > 0 and (self.stop_token_ids or self.eos_token_ids)))
 
@@ -144,6 +193,15 @@ class SamplingParams:
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise InvalidRequest(f"{name} must be in [0, {MAX_LOGPROBS}] on this server, got {value}")
         self._validate_controls()
+        if self.structured is not None:
+            self.structured.validate()
+            # The grammar ends the output with EOS: refused rather than generating past its end.
+            if self.ignore_eos:
+                raise InvalidRequest("ignore_eos cannot be combined with a structured output (the grammar's end "
+                                     "is an EOS token)")
+            if self.min_tokens:
+                raise InvalidRequest("min_tokens cannot be combined with a structured output (it bans the EOS "
+                                     "token the grammar may require)")
 
     def _validate_controls(self) -> None:
         """The sampling controls' ranges and budgets (vocabulary bounds: :meth:`check_token_ids`)."""

@@ -6,7 +6,7 @@ import os
 from typing import Sequence
 
 from disco.engines.draft import DraftEngine
-from disco.engines.in_process import default_learned_loader
+from disco.engines.in_process import default_learned_loader, grammar_compiler
 from disco.engines.sessions import SessionLimits
 from disco.models.loading import LoadedModel
 from disco.speculation.policies import PolicyFactory
@@ -53,7 +53,7 @@ def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0, limits
     policy_factory = policy_factory or PolicyFactory(restricted_loader(default_learned_loader(loaded), artifact_dirs))
     statement = security.statement(host, tls)  # refuses an exposed backend before any work
     security.warn(statement)
-    engine = DraftEngine(loaded.model, policy_factory, limits, overlap=overlap)
+    engine = DraftEngine(loaded.model, policy_factory, limits, overlap=overlap, grammar=grammar_compiler(loaded))
     metrics = ServerMetrics("draft", loaded.name)
     metrics.track_batches(lambda: engine.batcher.batch_sizes, engine.batcher.packed,
                           engine.batcher.verdict.detail)

@@ -115,14 +115,15 @@ def build_request(prompt: str = "", *, prompt_ids: Sequence[int] | None = None, 
                   stop_token_ids: Sequence[int] = (), min_tokens: int = 0, include_stop_str_in_output: bool = False,
                   repetition_penalty: float | None = None, presence_penalty: float = 0.0,
                   frequency_penalty: float = 0.0, logit_bias: dict[int, float] | None = None, min_p: float = 0.0,
-                  bad_words: Sequence[str] = ()) -> orchestrator_pb2.GenerateRequest:
+                  bad_words: Sequence[str] = (),
+                  structured: tuple[str, str] | None = None) -> orchestrator_pb2.GenerateRequest:
     """The ``GenerateRequest`` for these arguments (``None``/empty: the server default;
     ``overlap``: overlapped drafting for this request, ``None``: the draft service's setting;
     ``messages``: a conversation of ``(role, content)`` pairs instead of ``prompt``;
     ``logprobs`` / ``prompt_logprobs``: the target's log-probabilities of the generated / prompt
     tokens with this many alternatives each; ``echo``: the prompt's text in the answer;
     ``stop_token_ids`` ... ``bad_words``: the sampling controls, vLLM's, documented in
-    ``disco.v1.SamplingParams``).
+    ``disco.v1.SamplingParams``; ``structured``: a structured output's ``(kind, spec)``).
 
     Raises:
         DiscoRpcError: ``INVALID_ARGUMENT`` when a value does not fit its field.
@@ -136,7 +137,9 @@ def build_request(prompt: str = "", *, prompt_ids: Sequence[int] | None = None, 
                                              repetition_penalty=repetition_penalty,
                                              presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                              logit_bias=dict(logit_bias or {}), min_p=min_p,
-                                             bad_words=list(bad_words))
+                                             bad_words=list(bad_words),
+                                             structured=None if structured is None else common_pb2.StructuredOutput(
+                                                 kind=structured[0], spec=structured[1]))
         return orchestrator_pb2.GenerateRequest(prompt=prompt, prompt_ids=list(prompt_ids or ()), chat=chat,
                                                 policy=policy, max_lookahead=max_lookahead, sampling=sampling,
                                                 overlap=overlap, messages=[

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 import disco
-from disco.config import MAX_LOOKAHEAD_LIMIT, SamplingParams
+from disco.config import MAX_LOOKAHEAD_LIMIT, SamplingParams, StructuredOutput
 from disco.engines.sessions import SessionLimits
 from disco.errors import InvalidRequest
 from disco.interfaces import (DraftEvent, DraftSummary, DraftToken, Feedback, PrefillResult, TokenLogprobs,
@@ -70,7 +70,9 @@ def _controls_to_pb(sampling: SamplingParams) -> dict:
         presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
         logit_bias=dict(sampling.logit_bias), min_p=sampling.min_p, bad_words=list(sampling.bad_words),
         bad_words_token_ids=[common_pb2.TokenSequence(token_ids=list(ids)) for ids in sampling.bad_words_token_ids],
-        eos_token_ids=list(sampling.eos_token_ids), resumed_tokens=sampling.resumed_tokens)
+        eos_token_ids=list(sampling.eos_token_ids), resumed_tokens=sampling.resumed_tokens,
+        structured=None if sampling.structured is None else common_pb2.StructuredOutput(
+            kind=sampling.structured.kind, spec=sampling.structured.spec))
 
 
 def sampling_from_pb(message: common_pb2.SamplingParams) -> SamplingParams:
@@ -100,6 +102,8 @@ def sampling_from_pb(message: common_pb2.SamplingParams) -> SamplingParams:
         bad_words_token_ids=tuple(tuple(sequence.token_ids) for sequence in message.bad_words_token_ids),
         eos_token_ids=tuple(message.eos_token_ids),
         resumed_tokens=message.resumed_tokens,
+        structured=StructuredOutput(kind=message.structured.kind, spec=message.structured.spec)
+        if message.HasField("structured") else None,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from disco.engines.sessions import SessionLimits
+from disco.engines.in_process import grammar_compiler
 from disco.engines.target import TargetEngine
 from disco.models.loading import LoadedModel
 from protos.disco.v1 import target_pb2_grpc
@@ -40,7 +41,7 @@ def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0, limits
     """
     statement = security.statement(host, tls)  # refuses an exposed backend before any work
     security.warn(statement)
-    engine = TargetEngine(loaded.model, limits)
+    engine = TargetEngine(loaded.model, limits, grammar=grammar_compiler(loaded))
     metrics = ServerMetrics("target", loaded.name)
     metrics.track_batches(lambda: engine.batcher.batch_sizes, engine.batcher.packed,
                           engine.batcher.verdict.detail)

@@ -7,6 +7,7 @@ from disco.config import SamplingParams, SpeculationConfig
 from disco.engines.draft import DraftEngine
 from disco.engines.in_process import make_decode, make_encode
 from disco.engines.target import TargetEngine
+from disco.speculation.grammar import GrammarCompiler
 from disco.speculation.loop import SpeculativeGenerator
 from disco.speculation.policies import PolicyFactory
 
@@ -22,10 +23,16 @@ ALL_POLICIES = ("static:1", "static:3", "static:7", "heuristic:2", "confidence:0
                 "adaptive-confidence", "entropy", "entropy:lambda=0.2,adapt=0.05", "oracle")
 
 
+def grammar_for(model, tokenizer, eos=(EOS_ID,)):
+    """Structured outputs for a tiny model (its tokenizer, logits rows and EOS)."""
+    return GrammarCompiler(tokenizer, int(model.config.vocab_size), eos)
+
+
 def local_generator(target, draft, tokenizer, policy_factory=None, eos=(EOS_ID,)):
-    drafter = DraftEngine(draft, policy_factory or PolicyFactory()) if draft is not None else None
-    return SpeculativeGenerator(drafter, TargetEngine(target), make_decode(tokenizer), eos,
-                                encode=make_encode(tokenizer))
+    drafter = (DraftEngine(draft, policy_factory or PolicyFactory(), grammar=grammar_for(draft, tokenizer, eos))
+               if draft is not None else None)
+    return SpeculativeGenerator(drafter, TargetEngine(target, grammar=grammar_for(target, tokenizer, eos)),
+                                make_decode(tokenizer), eos, encode=make_encode(tokenizer))
 
 
 def generate_at_once(generator: SpeculativeGenerator, jobs, sampling: SamplingParams, timeout_s: float = 120):

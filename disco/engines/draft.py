@@ -24,6 +24,7 @@ from disco.engines.static_runner import static_runner_for
 from disco.errors import InvalidRequest, ModelError, SessionMismatch, SessionNotFound
 from disco.interfaces import DraftEvent, DraftSummary, DraftToken, Feedback, PrefillResult
 from disco.speculation.policies import Decision, PolicyFactory, StopPolicy, block_budget
+from disco.speculation.grammar import GrammarCompiler, GrammarState, session_grammar
 from disco.speculation.logits_processors import apply_logits_controls
 from disco.speculation.sampling import gumbel_sample, logits_to_probs, to_host
 from disco.speculation.signals import NUM_SIGNAL_VALUES, TokenSignals, signal_values, signals_from_values
@@ -48,6 +49,7 @@ class DraftSession:
     predraft_guard: threading.Lock = field(default_factory=threading.Lock)  # predraft/closed vs end_session
     session_id: str = ""  # its key in the engine's store (KV reservations grow by it)
     output_start: int = 0  # index of the first output token in sequence.tokens (the sampling controls count from it)
+    grammar: GrammarState | None = None  # the structured output's matcher, when the request has one
 
 
 @dataclass
@@ -74,10 +76,13 @@ class DraftEngine:
         limits: SessionLimits = SessionLimits(),
         max_batch: int = DEFAULT_MAX_BATCH,
         overlap: bool = False,
+        grammar: GrammarCompiler | None = None,
     ) -> None:
         """``overlap``: pre-draft the next block while the last one is verified (the
-        default of sessions whose request does not say)."""
+        default of sessions whose request does not say); ``grammar``: the model's tokenizer
+        for structured outputs (``None``: refused)."""
         self.model = model
+        self.grammar = grammar
         self.overlap = overlap
         self.policy_factory = policy_factory
         self.max_context = int(getattr(model.config, "max_position_embeddings", 1 << 30))
@@ -115,6 +120,7 @@ class DraftEngine:
         if sampling.resumed_tokens >= len(prompt_ids):
             raise InvalidRequest(f"resumed_tokens ({sampling.resumed_tokens}) must be less than the prompt's "
                                  f"{len(prompt_ids)} tokens")
+        grammar = session_grammar(self.grammar, sampling.structured)  # an invalid one refused before work
         self.sessions.check_capacity()  # before building the policy (it may load an artifact)
         policy = self.policy_factory.build(policy_spec, reference_ids)
         policy.bind_sampling(0.0 if sampling.is_greedy else sampling.temperature)
@@ -132,6 +138,7 @@ class DraftEngine:
                 overlap=self.overlap if overlap is None else overlap,
                 session_id=session_id,
                 output_start=len(prompt_ids) - sampling.resumed_tokens,
+                grammar=grammar,
             )
             self.batcher.prefill(session.sequence)  # batched with concurrent prefills
             self.sessions.add(session_id, session)
@@ -353,7 +360,8 @@ class DraftEngine:
         """The request's sampling controls applied with the session's history, as the target
         applies them at that position (:mod:`disco.speculation.logits_processors`)."""
         tokens = session.sequence.tokens
-        return apply_logits_controls(logits, session.sampling, tokens, len(tokens), session.output_start)
+        return apply_logits_controls(logits, session.sampling, tokens, len(tokens), session.output_start,
+                                     session.grammar)
 
     @staticmethod
     def _choose(sampling: SamplingParams, position: int,

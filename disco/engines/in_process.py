@@ -16,6 +16,7 @@ from disco.errors import InvalidRequest
 from disco.models.loading import LoadedModel, check_same_vocabulary, load_model
 from disco.speculation.cost_model import CostModel
 from disco.speculation.detokenize import Decode
+from disco.speculation.grammar import GrammarCompiler
 from disco.speculation.logits_processors import Encode
 from disco.speculation.loop import SpeculativeGenerator
 from disco.speculation.policies import PolicyFactory
@@ -112,7 +113,7 @@ def build_local_pipeline(pair: PairConfig, home: Path, need_draft: bool = True,
     drafter = _drafter(draft, overlap) if draft else None
     generator = SpeculativeGenerator(
         drafter=drafter,
-        verifier=TargetEngine(target.model),
+        verifier=TargetEngine(target.model, grammar=grammar_compiler(target)),
         decode=make_decode(target.tokenizer),
         eos_token_ids=target.eos_token_ids,
         max_new_tokens_limit=max_new_tokens_limit,
@@ -145,4 +146,10 @@ def with_overlap(pipeline: LocalPipeline, overlap: bool) -> SpeculativeGenerator
 
 def _drafter(draft: LoadedModel, overlap: bool) -> DraftEngine:
     """The draft engine over ``draft`` with the learned policies its artifacts allow."""
-    return DraftEngine(draft.model, PolicyFactory(default_learned_loader(draft)), overlap=overlap)
+    return DraftEngine(draft.model, PolicyFactory(default_learned_loader(draft)), overlap=overlap,
+                       grammar=grammar_compiler(draft))
+
+
+def grammar_compiler(loaded: LoadedModel) -> GrammarCompiler:
+    """Structured outputs for a loaded model (its tokenizer, logits rows and EOS ids)."""
+    return GrammarCompiler(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)

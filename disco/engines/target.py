@@ -26,6 +26,7 @@ from disco.engines.static_runner import static_runner_for
 from disco.errors import InvalidRequest, SessionMismatch
 from disco.interfaces import PrefillResult, TokenLogprobs, VerifyResult
 from disco.speculation.logprobs import prompt_logprobs, raw_logprobs, select_logprobs
+from disco.speculation.grammar import GrammarCompiler, GrammarState, session_grammar
 from disco.speculation.logits_processors import apply_logits_controls
 from disco.speculation.sampling import greedy_accept, invariant_verify, logits_to_probs
 
@@ -36,13 +37,17 @@ class TargetSession:
     sampling: SamplingParams  # seeded when sampling (a random seed if the caller gave none)
     lock: threading.Lock = field(default_factory=threading.Lock)
     output_start: int = 0  # index of the first output token in sequence.tokens (the sampling controls count from it)
+    grammar: GrammarState | None = None  # the structured output's matcher, when the request has one
 
 
 class TargetEngine:
     """Implements :class:`disco.interfaces.Verifier` over a local HF causal LM."""
 
-    def __init__(self, model: torch.nn.Module, limits: SessionLimits = SessionLimits(), max_batch: int = DEFAULT_MAX_BATCH) -> None:
+    def __init__(self, model: torch.nn.Module, limits: SessionLimits = SessionLimits(),
+                 max_batch: int = DEFAULT_MAX_BATCH, grammar: GrammarCompiler | None = None) -> None:
+        """``grammar``: the model's tokenizer for structured outputs (``None``: refused)."""
         self.model = model
+        self.grammar = grammar
         self.vocab_size = int(model.config.vocab_size)
         self.max_context = int(getattr(model.config, "max_position_embeddings", 1 << 30))
         self.device = next(model.parameters()).device
@@ -71,6 +76,7 @@ class TargetEngine:
                 f"exceeds the target model's context of {self.max_context} tokens")
         if any(not 0 <= token < self.vocab_size for token in prompt_ids):
             raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})")
+        grammar = session_grammar(self.grammar, sampling.structured)  # an invalid one refused before work
         # Admitted (count and KV bytes of every token it can reach) before paying for a prefill.
         reserved = min(self.max_context, len(prompt_ids) + sampling.max_new_tokens)
         with self.sessions.admitting(session_id, reserved):
@@ -79,7 +85,7 @@ class TargetEngine:
             if self.static is not None:
                 self.static.acquire(sequence, reserved + 1)  # a slot when one is free (else the packed path)
             session = TargetSession(sequence=sequence, sampling=sampling.seeded(),
-                                    output_start=len(prompt_ids) - sampling.resumed_tokens)
+                                    output_start=len(prompt_ids) - sampling.resumed_tokens, grammar=grammar)
             prompt_entries: list[TokenLogprobs] = []
             if sampling.prompt_logprobs is None:
                 self.batcher.prefill(session.sequence)  # batched with concurrent prefills
@@ -146,7 +152,7 @@ class TargetEngine:
                                else None)  # [k + 1, vocab]
             # The sampling controls: row j with its own history tokens[:base + j], as decoding has it.
             target_logits = apply_logits_controls(target_logits, session.sampling, sequence.tokens, base,
-                                                  session.output_start)  # [k + 1, vocab]
+                                                  session.output_start, session.grammar)  # [k + 1, vocab]
             if session.sampling.is_greedy:
                 num_accepted, bonus = greedy_accept(draft_token_ids, target_logits)
             else:

@@ -11,8 +11,13 @@ with its own history the same way, so an exact draft's proposals are accepted.
 *Output tokens* are the tokens from ``output_start`` on: a session's prompt length, less the
 output a re-created session holds in its prompt (:attr:`SamplingParams.resumed_tokens`).
 
-The order is vLLM v1's ``Sampler`` (``vllm/v1/sample/sampler.py``), on float32 logits:
+The order is vLLM v1's (the structured-output bitmask in the model runner, then its
+``Sampler``: ``vllm/v1/sample/sampler.py``), on float32 logits:
 
+0. a structured output's grammar mask (:mod:`disco.speculation.grammar`): every token the
+   grammar does not allow after the row's output history is -inf. Should bad words then ban
+   every token the grammar allows in a row, that row keeps the grammar's mask alone (the
+   output must stay in the grammar);
 1. bad words (:func:`ban_bad_words`): the last token of a word's token sequence is banned where
    the output ends with the rest of it;
 2. min_tokens (:func:`ban_until_min_tokens`): EOS and ``stop_token_ids`` banned while fewer than
@@ -33,11 +38,14 @@ in a block of any size, which is what keeps verification equal to decoding.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from disco.config import MAX_BAD_WORD_TOKENS, SamplingParams
+
+if TYPE_CHECKING:
+    from disco.speculation.grammar import GrammarState
 from disco.errors import InvalidRequest
 
 NEG_INF = float("-inf")
@@ -78,18 +86,29 @@ def apply_logits_controls(
     tokens: Sequence[int],  # the session's tokens, at least first + k - 1 of them
     first: int,  # length of row 0's history
     output_start: int,  # index in tokens of the first output token
+    grammar: GrammarState | None = None,  # the session's structured output, when it has one
 ) -> torch.Tensor:  # [k, vocab] float32: a new tensor, or logits itself when no control is set
-    """Steps 1-4 of the module docstring; ``logits`` is never modified in place."""
+    """Steps 0-4 of the module docstring; ``logits`` is never modified in place."""
     if not sampling.has_logits_controls:
         return logits
     penalties = (sampling.repetition_penalty != 1.0 or sampling.presence_penalty != 0.0
                  or sampling.frequency_penalty != 0.0)
     below_min_tokens = sampling.min_tokens > first - output_start  # else min_tokens is met: nothing to ban
-    if not (sampling.bad_words_token_ids or sampling.logit_bias or penalties or below_min_tokens):
+    if not (grammar is not None or sampling.bad_words_token_ids or sampling.logit_bias or penalties
+            or below_min_tokens):
         return logits
     logits = logits.to(torch.float32, copy=True)
+    grammar_masked = None
+    if grammar is not None:
+        rows = logits.shape[0]
+        allowed = grammar.masks(tokens[output_start:first], tokens[first:first + rows - 1], rows)  # [k, vocab]
+        logits.masked_fill_(~allowed.to(logits.device), float("-inf"))
+        grammar_masked = logits.clone() if sampling.bad_words_token_ids else None
     if sampling.bad_words_token_ids:
         ban_bad_words(logits, sampling.bad_words_token_ids, tokens, first, output_start)
+        if grammar_masked is not None:  # a row left with no token keeps the grammar's mask alone
+            emptied = torch.isneginf(logits).all(dim=-1)  # [k]
+            logits[emptied] = grammar_masked[emptied]
     if below_min_tokens:
         ban_until_min_tokens(logits, sampling, first - output_start)
     if sampling.logit_bias:

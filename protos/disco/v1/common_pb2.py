@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cprotos/disco/v1/common.proto\x12\x08\x64isco.v1\"\xc9\x05\n\x0eSamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\x05H\x03\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\t \x01(\x05H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nmin_tokens\x18\x0b \x01(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x0c \x01(\x08\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\x05\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0e \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0f \x01(\x01\x12;\n\nlogit_bias\x18\x10 \x03(\x0b\x32\'.disco.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\x11 \x01(\x01\x12\x11\n\tbad_words\x18\x12 \x03(\t\x12\x34\n\x13\x62\x61\x64_words_token_ids\x18\x13 \x03(\x0b\x32\x17.disco.v1.TokenSequence\x12\x15\n\reos_token_ids\x18\x14 \x03(\x05\x12\x16\n\x0eresumed_tokens\x18\x15 \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x11\n\x0f_max_new_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x15\n\x13_repetition_penalty\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"s\n\x0c\x44istribution\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x13\n\tdense_f32\x18\x02 \x01(\x0cH\x00\x12.\n\x06sparse\x18\x03 \x01(\x0b\x32\x1c.disco.v1.SparseDistributionH\x00\x42\n\n\x08\x65ncoding\"8\n\x12SparseDistribution\x12\x0f\n\x07ids_u32\x18\x01 \x01(\x0c\x12\x11\n\tprobs_f32\x18\x02 \x01(\x0c\"8\n\x08\x46\x65\x65\x64\x62\x61\x63k\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x05\x12\x16\n\x0e\x62onus_token_id\x18\x02 \x01(\x05\"s\n\x14StartSessionResponse\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x12\n\nelapsed_ns\x18\x02 \x01(\x03\x12\x30\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x17.disco.v1.TokenLogprobs\"[\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\'\n\x11\x45ndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"(\n\x12\x45ndSessionResponse\x12\x12\n\nelapsed_ns\x18\x01 \x01(\x03\"\x14\n\x12ServiceInfoRequest\"\xa6\x03\n\x0bServiceInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x16\n\x0etokenizer_hash\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x13\n\x0bmax_context\x18\x06 \x01(\x05\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x17\n\x0f\x61\x63tive_sessions\x18\n \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x0b \x01(\x05\x12\x12\n\nidle_ttl_s\x18\x0c \x01(\x01\x12\x0f\n\x07version\x18\r \x01(\t\x12\x12\n\nelapsed_ns\x18\x0e \x01(\x03\x12\x11\n\tforward_s\x18\x0f \x03(\x01\x12\x0f\n\x07overlap\x18\x10 \x01(\x08\x12\x10\n\x08\x62\x61tching\x18\x11 \x01(\t\x12\x16\n\x0elive_forward_s\x18\x12 \x03(\x01\x12\x11\n\texactness\x18\x13 \x01(\t\x12\x0e\n\x06kernel\x18\x14 \x01(\t\x12\x10\n\x08security\x18\x15 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cprotos/disco/v1/common.proto\x12\x08\x64isco.v1\"\xf9\x05\n\x0eSamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\x05H\x03\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\t \x01(\x05H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nmin_tokens\x18\x0b \x01(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x0c \x01(\x08\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\x05\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0e \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0f \x01(\x01\x12;\n\nlogit_bias\x18\x10 \x03(\x0b\x32\'.disco.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\x11 \x01(\x01\x12\x11\n\tbad_words\x18\x12 \x03(\t\x12\x34\n\x13\x62\x61\x64_words_token_ids\x18\x13 \x03(\x0b\x32\x17.disco.v1.TokenSequence\x12\x15\n\reos_token_ids\x18\x14 \x03(\x05\x12\x16\n\x0eresumed_tokens\x18\x15 \x01(\x05\x12.\n\nstructured\x18\x16 \x01(\x0b\x32\x1a.disco.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x11\n\x0f_max_new_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x15\n\x13_repetition_penalty\".\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"s\n\x0c\x44istribution\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x13\n\tdense_f32\x18\x02 \x01(\x0cH\x00\x12.\n\x06sparse\x18\x03 \x01(\x0b\x32\x1c.disco.v1.SparseDistributionH\x00\x42\n\n\x08\x65ncoding\"8\n\x12SparseDistribution\x12\x0f\n\x07ids_u32\x18\x01 \x01(\x0c\x12\x11\n\tprobs_f32\x18\x02 \x01(\x0c\"8\n\x08\x46\x65\x65\x64\x62\x61\x63k\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x05\x12\x16\n\x0e\x62onus_token_id\x18\x02 \x01(\x05\"s\n\x14StartSessionResponse\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x12\n\nelapsed_ns\x18\x02 \x01(\x03\x12\x30\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x17.disco.v1.TokenLogprobs\"[\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\'\n\x11\x45ndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"(\n\x12\x45ndSessionResponse\x12\x12\n\nelapsed_ns\x18\x01 \x01(\x03\"\x14\n\x12ServiceInfoRequest\"\xa6\x03\n\x0bServiceInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x16\n\x0etokenizer_hash\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x13\n\x0bmax_context\x18\x06 \x01(\x05\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x17\n\x0f\x61\x63tive_sessions\x18\n \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x0b \x01(\x05\x12\x12\n\nidle_ttl_s\x18\x0c \x01(\x01\x12\x0f\n\x07version\x18\r \x01(\t\x12\x12\n\nelapsed_ns\x18\x0e \x01(\x03\x12\x11\n\tforward_s\x18\x0f \x03(\x01\x12\x0f\n\x07overlap\x18\x10 \x01(\x08\x12\x10\n\x08\x62\x61tching\x18\x11 \x01(\t\x12\x16\n\x0elive_forward_s\x18\x12 \x03(\x01\x12\x11\n\texactness\x18\x13 \x01(\t\x12\x0e\n\x06kernel\x18\x14 \x01(\t\x12\x10\n\x08security\x18\x15 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,27 +34,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=43
-  _globals['_SAMPLINGPARAMS']._serialized_end=756
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=614
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=662
-  _globals['_TOKENSEQUENCE']._serialized_start=758
-  _globals['_TOKENSEQUENCE']._serialized_end=792
-  _globals['_DISTRIBUTION']._serialized_start=794
-  _globals['_DISTRIBUTION']._serialized_end=909
-  _globals['_SPARSEDISTRIBUTION']._serialized_start=911
-  _globals['_SPARSEDISTRIBUTION']._serialized_end=967
-  _globals['_FEEDBACK']._serialized_start=969
-  _globals['_FEEDBACK']._serialized_end=1025
-  _globals['_STARTSESSIONRESPONSE']._serialized_start=1027
-  _globals['_STARTSESSIONRESPONSE']._serialized_end=1142
-  _globals['_TOKENLOGPROBS']._serialized_start=1144
-  _globals['_TOKENLOGPROBS']._serialized_end=1235
-  _globals['_ENDSESSIONREQUEST']._serialized_start=1237
-  _globals['_ENDSESSIONREQUEST']._serialized_end=1276
-  _globals['_ENDSESSIONRESPONSE']._serialized_start=1278
-  _globals['_ENDSESSIONRESPONSE']._serialized_end=1318
-  _globals['_SERVICEINFOREQUEST']._serialized_start=1320
-  _globals['_SERVICEINFOREQUEST']._serialized_end=1340
-  _globals['_SERVICEINFO']._serialized_start=1343
-  _globals['_SERVICEINFO']._serialized_end=1765
+  _globals['_SAMPLINGPARAMS']._serialized_end=804
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=662
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=710
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=806
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=852
+  _globals['_TOKENSEQUENCE']._serialized_start=854
+  _globals['_TOKENSEQUENCE']._serialized_end=888
+  _globals['_DISTRIBUTION']._serialized_start=890
+  _globals['_DISTRIBUTION']._serialized_end=1005
+  _globals['_SPARSEDISTRIBUTION']._serialized_start=1007
+  _globals['_SPARSEDISTRIBUTION']._serialized_end=1063
+  _globals['_FEEDBACK']._serialized_start=1065
+  _globals['_FEEDBACK']._serialized_end=1121
+  _globals['_STARTSESSIONRESPONSE']._serialized_start=1123
+  _globals['_STARTSESSIONRESPONSE']._serialized_end=1238
+  _globals['_TOKENLOGPROBS']._serialized_start=1240
+  _globals['_TOKENLOGPROBS']._serialized_end=1331
+  _globals['_ENDSESSIONREQUEST']._serialized_start=1333
+  _globals['_ENDSESSIONREQUEST']._serialized_end=1372
+  _globals['_ENDSESSIONRESPONSE']._serialized_start=1374
+  _globals['_ENDSESSIONRESPONSE']._serialized_end=1414
+  _globals['_SERVICEINFOREQUEST']._serialized_start=1416
+  _globals['_SERVICEINFOREQUEST']._serialized_end=1436
+  _globals['_SERVICEINFO']._serialized_start=1439
+  _globals['_SERVICEINFO']._serialized_end=1861
 # @@protoc_insertion_point(module_scope)
