@@ -179,3 +179,20 @@ def test_a_bad_specification_over_grpc_is_invalid_argument(grpc_stacks):
     with pytest.raises(Exception) as caught:
         grpc_stacks["noisy"].client.generate(PROMPTS[0], max_new_tokens=8, structured=("regex", "(["))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "regex" in str(caught.value.details())
+
+
+def test_overlapped_drafting_under_a_grammar(target_model, tokenizer, prompt_ids, pair):
+    """Pre-drafted blocks (and their guessed bonus token) are masked with the history they
+    follow: with an identical draft every guess hits, and the text is target-only's."""
+    from disco.engines.draft import DraftEngine  # noqa: PLC0415
+    from disco.speculation.policies import PolicyFactory  # noqa: PLC0415
+
+    generator = local_generator(target_model, None, tokenizer)
+    generator.drafter = DraftEngine(target_model, PolicyFactory(), overlap=True,
+                                    grammar=grammar_for(target_model, tokenizer))
+    for mode in MODES:
+        sampling = SamplingParams(max_new_tokens=MAX_NEW, structured=CONSTRAINTS["json_schema"], **MODES[mode])
+        result = generator.generate(prompt_ids, sampling, SpeculationConfig("static:3"))
+        assert result.token_ids == pair["speculative"].generate(prompt_ids, sampling,
+                                                                SpeculationConfig("none")).token_ids
+        assert result.stats.overlap_hits > 0 and result.stats.overlap_misses == 0, mode
