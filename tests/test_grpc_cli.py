@@ -57,6 +57,33 @@ def test_generate_server_json_equals_in_process(capsys, tiny_pair_dirs, served_p
         assert remote["stats"][key] == local["stats"][key]
 
 
+@pytest.mark.parametrize("flags", [
+    ["--json-schema", '{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], '
+                      '"additionalProperties": false}'],
+    ["--choice", "yes", "--choice", "no"],
+    ["--regex", "[a-c]{2,4}!", "--temperature", "0.9", "--seed", "4"],
+    ["--repetition-penalty", "0.7", "--presence-penalty", "1.0", "--frequency-penalty", "0.5", "--min-p", "0.1",
+     "--logit-bias", "5=-100", "--bad-word", "def", "--stop-token-id", "7", "--min-tokens", "3",
+     "--include-stop-str-in-output", "--temperature", "0.8", "--seed", "2"],
+])
+def test_generate_controls_and_structured_outputs_server_equals_in_process(capsys, tiny_pair_dirs, served_pair,
+                                                                           flags):
+    request = ["--prompt", "def f(x):", "--policy", "static:4", "--max-new-tokens", "24", "--json", *flags]
+    code, out, err = run_cli(capsys, "generate", "--target", str(tiny_pair_dirs["target"]),
+                             "--draft", str(tiny_pair_dirs["draft"]), "--dtype", "float32", *request)
+    assert code == 0, err
+    local = json.loads(out)
+    code, out, err = run_cli(capsys, "generate", "--server", served_pair, *request)
+    assert code == 0, err
+    assert json.loads(out)["token_ids"] == local["token_ids"]
+    if "--json-schema" in flags:
+        assert isinstance(json.loads(local["text"])["ok"], bool)
+    if "--choice" in flags:
+        assert local["text"] in ("yes", "no")
+    code, _, err = run_cli(capsys, "generate", "--server", served_pair, *request[:-len(flags)], "--logit-bias", "x")
+    assert code != 0 and "ID=BIAS" in err
+
+
 def test_generate_server_streams_and_reports_errors_as_code_and_message(capsys, served_pair):
     code, out, err = run_cli(capsys, "generate", "--server", served_pair, "--prompt", "import os",
                              "--max-new-tokens", "8", "--ignore-eos")

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from disco.config import DEFAULT_MAX_LOOKAHEAD, SamplingParams, SpeculationConfig
+from disco.config import DEFAULT_MAX_LOOKAHEAD, SamplingParams, SpeculationConfig, StructuredOutput
 from disco.speculation.loop import GenerationResult, TokenChunk
 from disco.speculation.policies import parse_policy_spec, reads_costs
 from disco_cli.commands.common import (
@@ -32,12 +32,75 @@ def add_request_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating after EOS")
+    controls = parser.add_argument_group("sampling controls (vLLM's; applied by the draft and the target alike)")
+    controls.add_argument("--stop-token-id", type=int, action="append", default=[], dest="stop_token_ids",
+                          help="token id that ends generation, as EOS does (repeatable)")
+    controls.add_argument("--min-tokens", type=int, default=0, help="EOS and stop tokens banned until this many")
+    controls.add_argument("--include-stop-str-in-output", action="store_true",
+                          help="keep the stop string or stop token's text in the output")
+    controls.add_argument("--repetition-penalty", type=float, default=1.0)
+    controls.add_argument("--presence-penalty", type=float, default=0.0)
+    controls.add_argument("--frequency-penalty", type=float, default=0.0)
+    controls.add_argument("--min-p", type=float, default=0.0)
+    controls.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                          help="add BIAS to token ID's logit (repeatable)")
+    controls.add_argument("--bad-word", action="append", default=[], dest="bad_words",
+                          help="a word never completed (repeatable)")
+    structured = parser.add_argument_group("structured output (one of)").add_mutually_exclusive_group()
+    structured.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                            help="the output is JSON valid under this schema (JSON text, or @FILE)")
+    structured.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    structured.add_argument("--regex", default=None, help="the whole output matches this regex")
+    structured.add_argument("--choice", action="append", default=None,
+                            help="the output is one of these strings (repeatable)")
+    structured.add_argument("--grammar", default=None, metavar="LARK",
+                            help="the output follows this Lark grammar (text, or @FILE)")
+
+
+def _text_or_file(value: str) -> str:
+    if value.startswith("@"):
+        from pathlib import Path  # noqa: PLC0415
+
+        return Path(value[1:]).read_text()
+    return value
+
+
+def structured_from_args(args: argparse.Namespace) -> StructuredOutput | None:
+    if getattr(args, "json_schema", None) is not None:
+        return StructuredOutput("json_schema", _text_or_file(args.json_schema))
+    if getattr(args, "json_object", False):
+        return StructuredOutput("json_object")
+    if getattr(args, "regex", None) is not None:
+        return StructuredOutput("regex", args.regex)
+    if getattr(args, "choice", None):
+        return StructuredOutput("choice", json.dumps(args.choice))
+    if getattr(args, "grammar", None) is not None:
+        return StructuredOutput("grammar", _text_or_file(args.grammar))
+    return None
+
+
+def _logit_bias(entries: list[str]) -> tuple[tuple[int, float], ...]:
+    from disco.errors import InvalidRequest  # noqa: PLC0415
+
+    pairs = []
+    for entry in entries:
+        token, _, bias = entry.partition("=")
+        try:
+            pairs.append((int(token), float(bias)))
+        except ValueError:
+            raise InvalidRequest(f"--logit-bias takes ID=BIAS (e.g. 42=-100), got {entry!r}") from None
+    return tuple(pairs)
 
 
 def request_from_args(args: argparse.Namespace) -> tuple[SamplingParams, SpeculationConfig]:
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
-                              ignore_eos=args.ignore_eos)
+                              ignore_eos=args.ignore_eos, stop_token_ids=tuple(args.stop_token_ids),
+                              min_tokens=args.min_tokens, include_stop_str_in_output=args.include_stop_str_in_output,
+                              repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                              frequency_penalty=args.frequency_penalty, min_p=args.min_p,
+                              logit_bias=_logit_bias(args.logit_bias), bad_words=tuple(args.bad_words),
+                              structured=structured_from_args(args))
     speculation = SpeculationConfig(policy=args.policy, max_lookahead=args.max_lookahead)
     sampling.validate()
     speculation.validate()
@@ -106,7 +169,14 @@ def _run_remote(args: argparse.Namespace, sampling: SamplingParams, speculation:
                    max_lookahead=speculation.max_lookahead, temperature=sampling.temperature,
                    top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed, stop=list(sampling.stop),
                    ignore_eos=sampling.ignore_eos, chat=args.chat,
-                   overlap=None if args.overlap is None else args.overlap == "on")
+                   overlap=None if args.overlap is None else args.overlap == "on",
+                   stop_token_ids=list(sampling.stop_token_ids), min_tokens=sampling.min_tokens,
+                   include_stop_str_in_output=sampling.include_stop_str_in_output,
+                   repetition_penalty=sampling.repetition_penalty, presence_penalty=sampling.presence_penalty,
+                   frequency_penalty=sampling.frequency_penalty, min_p=sampling.min_p,
+                   logit_bias=dict(sampling.logit_bias), bad_words=list(sampling.bad_words),
+                   structured=None if sampling.structured is None else (sampling.structured.kind,
+                                                                          sampling.structured.spec))
     try:
         client = client_from_args(args, timeout=DEFAULT_TIMEOUT_S)
         if args.json:
