@@ -56,7 +56,9 @@ MAX_LOGPROB_ENTRIES = 1 << 18
 #: Structured outputs (disco.speculation.grammar): the kinds of constraint, the longest
 #: specification (characters: a JSON schema, a regex, a grammar, the choices as a JSON array)
 #: and the most choices. Checked before any work; the grammar engine's own limits bound the rest.
-STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_calls")
+#: Tools a ``tool_calls`` constraint may name (OpenAI allows 128).
+MAX_TOOLS = 128
 MAX_STRUCTURED_CHARS = 65536
 MAX_CHOICES = 256
 
@@ -69,7 +71,9 @@ class StructuredOutput:
     ``kind`` and ``spec``: ``json_schema`` (the schema as JSON text), ``json_object`` (any JSON
     object; ``spec`` empty), ``regex`` (the whole output matches it), ``choice`` (the output is
     one of the strings of the JSON array ``spec``), ``grammar`` (a Lark grammar, llguidance's
-    dialect)."""
+    dialect), ``tool_calls`` (one or more tool calls in the Qwen2.5 / Hermes format,
+    ``<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>``; ``spec``:
+    ``{"tools": [{"name": ..., "parameters": {JSON schema}}, ...], "parallel": bool}``)."""
 
     kind: str
     spec: str = ""
@@ -98,6 +102,8 @@ class StructuredOutput:
                                           or not all(isinstance(item, str) and item for item in value)):
                 raise InvalidRequest(f"structured output (choice): expected a list of 1 to {MAX_CHOICES} "
                                      "non-empty strings")
+        if self.kind == "tool_calls":
+            _check_tool_calls_spec(self.spec)
 
 
 @dataclass(frozen=True)
@@ -297,6 +303,24 @@ class SamplingParams:
         # The prompt's logprobs were returned with the first session: a re-created one skips them.
         return replace(self, max_new_tokens=max(1, self.max_new_tokens - generated),
                        resumed_tokens=self.resumed_tokens + generated, prompt_logprobs=None)
+
+
+def _check_tool_calls_spec(spec: str) -> None:
+    try:
+        value = json.loads(spec)
+    except ValueError as error:
+        raise InvalidRequest(f"structured output (tool_calls) is not valid JSON: {error}") from None
+    tools = value.get("tools") if isinstance(value, dict) else None
+    if not isinstance(tools, list) or not 1 <= len(tools) <= MAX_TOOLS:
+        raise InvalidRequest(f"structured output (tool_calls): expected {{\"tools\": [1 to {MAX_TOOLS} tools], "
+                             "\"parallel\": bool}")
+    for index, tool in enumerate(tools):
+        if (not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or not tool["name"]
+                or not isinstance(tool.get("parameters", {}), dict)):
+            raise InvalidRequest(f"structured output (tool_calls): tools[{index}] needs a name and "
+                                 "parameters (a JSON schema object)")
+    if not isinstance(value.get("parallel", False), bool):
+        raise InvalidRequest("structured output (tool_calls): parallel must be true or false")
 
 
 def _check_ids(name: str, ids, limit: int) -> None:

@@ -24,6 +24,7 @@ raises :class:`DiscoRpcError`, a :class:`grpc.RpcError` with ``code()`` and ``de
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterator, Sequence
 
@@ -105,6 +106,16 @@ class Completion:
     prompt_text: str = ""  # echo: the prompt as text
 
 
+def _message_pb(message: tuple[str, str] | dict) -> orchestrator_pb2.ChatMessage:
+    if not isinstance(message, dict):
+        role, content = message
+        return orchestrator_pb2.ChatMessage(role=role, content=content)
+    calls = message.get("tool_calls")
+    return orchestrator_pb2.ChatMessage(role=message["role"], content=message.get("content") or "",
+                                        tool_calls_json=json.dumps(calls) if calls else "",
+                                        tool_call_id=message.get("tool_call_id") or "", name=message.get("name") or "")
+
+
 def build_request(prompt: str = "", *, prompt_ids: Sequence[int] | None = None, chat: bool = False,
                   policy: str = "", max_lookahead: int | None = None, max_new_tokens: int | None = None,
                   temperature: float = 0.0, top_p: float | None = None, top_k: int = 0, seed: int | None = None,
@@ -116,10 +127,13 @@ def build_request(prompt: str = "", *, prompt_ids: Sequence[int] | None = None, 
                   repetition_penalty: float | None = None, presence_penalty: float = 0.0,
                   frequency_penalty: float = 0.0, logit_bias: dict[int, float] | None = None, min_p: float = 0.0,
                   bad_words: Sequence[str] = (),
-                  structured: tuple[str, str] | None = None) -> orchestrator_pb2.GenerateRequest:
+                  structured: tuple[str, str] | None = None, tools: Sequence[dict] | None = None,
+                  continue_final_message: bool = False) -> orchestrator_pb2.GenerateRequest:
     """The ``GenerateRequest`` for these arguments (``None``/empty: the server default;
     ``overlap``: overlapped drafting for this request, ``None``: the draft service's setting;
-    ``messages``: a conversation of ``(role, content)`` pairs instead of ``prompt``;
+    ``messages``: a conversation instead of ``prompt``, of ``(role, content)`` pairs or OpenAI
+    message dicts (``tool_calls``, ``tool_call_id``, ``name``); ``tools``: OpenAI's tool objects
+    for the chat template; ``continue_final_message``: continue the last (assistant) message;
     ``logprobs`` / ``prompt_logprobs``: the target's log-probabilities of the generated / prompt
     tokens with this many alternatives each; ``echo``: the prompt's text in the answer;
     ``stop_token_ids`` ... ``bad_words``: the sampling controls, vLLM's, documented in
@@ -142,9 +156,9 @@ def build_request(prompt: str = "", *, prompt_ids: Sequence[int] | None = None, 
                                                  kind=structured[0], spec=structured[1]))
         return orchestrator_pb2.GenerateRequest(prompt=prompt, prompt_ids=list(prompt_ids or ()), chat=chat,
                                                 policy=policy, max_lookahead=max_lookahead, sampling=sampling,
-                                                overlap=overlap, messages=[
-                                                    orchestrator_pb2.ChatMessage(role=role, content=content)
-                                                    for role, content in messages], echo=echo)
+                                                overlap=overlap, messages=[_message_pb(m) for m in messages],
+                                                echo=echo, tools_json=json.dumps(list(tools)) if tools else "",
+                                                continue_final_message=continue_final_message)
     except (TypeError, ValueError) as error:
         raise DiscoRpcError(grpc.StatusCode.INVALID_ARGUMENT, f"invalid request: {error}") from None
 

@@ -11,6 +11,7 @@ target's context, ``max_prompt_tokens``) is checked after, as before.
 from __future__ import annotations
 
 import copy
+import json
 import queue
 import threading
 from contextlib import contextmanager
@@ -130,3 +131,58 @@ class Tokenizers:
                 for token in missing:
                     self._token_texts[token] = self._decoder.decode([token], skip_special_tokens=False) or ""
         return [self._token_texts[token] for token in token_ids]
+
+
+def conversation_from_pb(messages: Sequence, tools_json: str) -> tuple[list[dict], list[dict] | None]:
+    """A request's ``ChatMessage`` list and ``tools_json`` as the chat template takes them:
+    OpenAI's message dicts (an assistant's ``tool_calls`` with each ``arguments`` parsed into a
+    JSON object, as templates render it) and the tools.
+
+    Raises:
+        InvalidRequest: naming the message or field that is not what the contract says.
+    """
+    conversation = []
+    for index, message in enumerate(messages):
+        turn: dict = {"role": message.role, "content": message.content}
+        if message.tool_calls_json:
+            turn["tool_calls"] = _tool_calls(message.tool_calls_json, index)
+        if message.tool_call_id:
+            turn["tool_call_id"] = message.tool_call_id
+        if message.name:
+            turn["name"] = message.name
+        conversation.append(turn)
+    tools = None
+    if tools_json:
+        tools = _json(tools_json, "tools_json")
+        if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+            raise InvalidRequest("tools_json must be a JSON array of tool objects")
+    return conversation, tools
+
+
+def conversation_bytes(messages: Sequence, tools_json: str) -> int:
+    """What a conversation's size check counts: contents, tool calls and the tools (UTF-8)."""
+    return (prompt_bytes("", [(m.role, m.content) for m in messages]) + len(tools_json.encode("utf-8"))
+            + sum(len(m.tool_calls_json.encode("utf-8")) for m in messages))
+
+
+def _tool_calls(text: str, index: int) -> list[dict]:
+    calls = _json(text, f"messages[{index}].tool_calls_json")
+    if not isinstance(calls, list):
+        raise InvalidRequest(f"messages[{index}].tool_calls_json must be a JSON array")
+    out = []
+    for number, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise InvalidRequest(f"messages[{index}].tool_calls[{number}] needs a function with a name")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            arguments = _json(arguments or "{}", f"messages[{index}].tool_calls[{number}].function.arguments")
+        out.append({**call, "function": {**function, "arguments": arguments}})
+    return out
+
+
+def _json(text: str, field: str):
+    try:
+        return json.loads(text)
+    except ValueError as error:
+        raise InvalidRequest(f"{field} is not valid JSON: {error}") from None

@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 import disco
 from disco.config import DEFAULT_MAX_LOOKAHEAD, MAX_LOOKAHEAD_LIMIT, SamplingParams, SpeculationConfig
-from disco.engines.in_process import encode_messages, encode_prompt
+from disco.engines.in_process import encode_conversation, encode_prompt
 from disco.errors import DiscoError, InvalidRequest, ResourceExhausted
 from disco.interfaces import TokenLogprobs
 from disco.speculation.loop import GenerationEvent, GenerationResult, SpeculativeGenerator, TokenChunk
@@ -32,7 +32,7 @@ from orchestrator.failover import FailoverDrafter, FailoverVerifier
 from orchestrator.logprobs import logprobs_to_pb, prompt_logprobs_to_pb
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.prompts import (MIN_PROMPT_BYTES, Tokenizers, check_fits_context, check_prompt_bytes,
-                                  default_prompt_byte_limit, prompt_bytes)
+                                  conversation_bytes, conversation_from_pb, default_prompt_byte_limit, prompt_bytes)
 from orchestrator.remote import DEFAULT_CALL_TIMEOUT_S, CallScope
 from protos import convert
 from protos.disco.v1 import orchestrator_pb2, orchestrator_pb2_grpc
@@ -198,12 +198,15 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         if request.prompt_ids:
             prompt_ids = list(request.prompt_ids)
         else:
-            messages = [(m.role, m.content) for m in request.messages]
-            size = prompt_bytes(request.prompt, messages)
+            if (request.tools_json or request.continue_final_message) and not request.messages:
+                raise InvalidRequest("tools_json and continue_final_message need messages")
+            size = (conversation_bytes(request.messages, request.tools_json) if request.messages
+                    else prompt_bytes(request.prompt))
             check_prompt_bytes(size, self._prompt_byte_limit(size))
+            conversation, tools = conversation_from_pb(request.messages, request.tools_json)
             with self._tokenizers.encoder(size) as tokenizer:
-                prompt_ids = (encode_messages(tokenizer, messages) if messages
-                              else encode_prompt(tokenizer, request.prompt, request.chat))
+                prompt_ids = (encode_conversation(tokenizer, conversation, tools, request.continue_final_message)
+                              if conversation else encode_prompt(tokenizer, request.prompt, request.chat))
         convert.check_prompt_length(len(prompt_ids), self.limits.max_prompt_tokens)
         sampling.check_logprob_entries(len(prompt_ids))
         return prompt_ids, sampling, speculation

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from disco.config import ModelConfig, PairConfig
@@ -58,28 +59,51 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, chat: bool) -
 
 
 #: Roles a conversation may use (what chat templates render).
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 def encode_messages(tokenizer: PreTrainedTokenizerBase, messages: Sequence[tuple[str, str]]) -> list[int]:
-    """Token ids of a conversation of ``(role, content)`` messages, checked: known roles,
-    some non-empty content, a user message last (the assistant turn is opened after it)."""
-    for index, (role, _) in enumerate(messages):
-        if role not in CHAT_ROLES:
-            raise InvalidRequest(f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
-    if not any(content for _, content in messages):
+    """Token ids of a conversation of ``(role, content)`` messages (:func:`encode_conversation`)."""
+    return encode_conversation(tokenizer, [{"role": role, "content": content} for role, content in messages])
+
+
+def encode_conversation(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict],
+                        tools: Sequence[dict] | None = None, continue_final: bool = False) -> list[int]:
+    """Token ids of a conversation, checked: known roles, some content, and the last message
+    a user's or a tool's (the assistant turn is opened after it) or, with ``continue_final``,
+    an assistant's (continued: not closed, no new turn). Messages are OpenAI's: ``role``,
+    ``content``, an assistant's ``tool_calls`` (``function.arguments`` as a JSON object, as
+    templates render it), a tool's ``tool_call_id`` and ``name``. ``tools``: OpenAI's tool
+    objects, given to the template."""
+    for index, message in enumerate(messages):
+        if message["role"] not in CHAT_ROLES:
+            raise InvalidRequest(f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)}, "
+                                 f"got {message['role']!r}")
+    if not any(message.get("content") or message.get("tool_calls") for message in messages):
         raise InvalidRequest("prompt is empty: every message's content is empty")
-    if messages[-1][0] != "user":
-        raise InvalidRequest(f"the last message must have role 'user', got {messages[-1][0]!r}")
-    return encode_chat(tokenizer, [{"role": role, "content": content} for role, content in messages],
-                       "chat messages need a tokenizer with a chat template, and this one has none")
+    last = messages[-1]["role"]
+    if continue_final and last != "assistant":
+        raise InvalidRequest(f"continue_final_message needs an assistant message last, got {last!r}")
+    if not continue_final and last not in ("user", "tool"):
+        raise InvalidRequest(f"the last message must have role 'user' or 'tool' (or 'assistant' with "
+                             f"continue_final_message), got {last!r}")
+    return encode_chat(tokenizer, messages, "chat messages need a tokenizer with a chat template, and this one has none",
+                       tools=tools, continue_final=continue_final)
 
 
-def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict], no_template_error: str) -> list[int]:
-    """Token ids of a chat with the tokenizer's chat template and the assistant turn opened."""
+def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict], no_template_error: str,
+                tools: Sequence[dict] | None = None, continue_final: bool = False) -> list[int]:
+    """Token ids of a chat with the tokenizer's chat template and the assistant turn opened
+    (or, ``continue_final``, the last assistant message left open)."""
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequest(no_template_error)
-    encoded = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    try:
+        encoded = tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
+                                                add_generation_prompt=not continue_final,
+                                                continue_final_message=continue_final, tokenize=True)
+    except (TemplateError, ValueError, TypeError, KeyError) as error:  # the template's raise_exception, or a
+        # message it cannot render (a missing key, a wrong type)
+        raise InvalidRequest(f"the chat template refused the conversation: {error}") from None
     ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
     return [int(i) for i in ids]
 

@@ -23,6 +23,7 @@ the model's extra rows (Qwen2.5: 151,936 rows, 151,665 tokens) are never allowed
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from typing import Sequence
@@ -41,10 +42,34 @@ from disco.errors import InvalidRequest
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def grammar_text(structured: StructuredOutput) -> str:
-    """The llguidance grammar of a structured output (nothing compiled yet)."""
+#: The tool-call markers of the Qwen2.5 / Hermes chat format.
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+def tool_calls_grammar(spec: str, marker_tokens: bool) -> str:
+    """Lark: one tool call (or, with ``parallel``, several, one per line) in the Hermes format,
+    ``<tool_call>\n{"name": NAME, "arguments": {...}}\n</tool_call>``, the arguments valid
+    under the named tool's parameters. ``marker_tokens``: the tokenizer has the markers as
+    tokens of their own (Qwen2.5), which llguidance's Lark names as ``<tool_call>``."""
+    value = json.loads(spec)
+    calls = [{"type": "object", "properties": {"name": {"const": tool["name"]},
+                                               "arguments": tool.get("parameters") or {"type": "object"}},
+              "required": ["name", "arguments"], "additionalProperties": False} for tool in value["tools"]]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema["x-guidance"] = JSON_OPTIONS
+    open_, close = ((TOOL_CALL_OPEN, TOOL_CALL_CLOSE) if marker_tokens
+                    else (json.dumps(TOOL_CALL_OPEN), json.dumps(TOOL_CALL_CLOSE)))
+    start = 'start: call ("\\n" call)*' if value.get("parallel") else "start: call"
+    return f'{start}\ncall: {open_} "\\n" arguments "\\n" {close}\narguments: %json {json.dumps(schema)}\n'
+
+
+def grammar_text(structured: StructuredOutput, marker_tokens: bool = False) -> str:
+    """The llguidance grammar of a structured output (nothing compiled yet); ``marker_tokens``:
+    see :func:`tool_calls_grammar`."""
     import llguidance  # noqa: PLC0415
 
+    if structured.kind == "tool_calls":
+        return llguidance.LLMatcher.grammar_from_lark(tool_calls_grammar(structured.spec, marker_tokens))
     if structured.kind == "json_schema":
         return llguidance.LLMatcher.grammar_from_json_schema(structured.spec, defaults=JSON_OPTIONS)
     if structured.kind == "json_object":
@@ -79,12 +104,18 @@ class GrammarCompiler:
                                                                eos_token=self.eos_token_ids or None)
             return self._tokenizer
 
+    @functools.cached_property
+    def marker_tokens(self) -> bool:
+        """Whether the tool-call markers are tokens of their own in this tokenizer."""
+        vocab = self.hf_tokenizer.get_vocab()
+        return TOOL_CALL_OPEN in vocab and TOOL_CALL_CLOSE in vocab
+
     def start(self, structured: StructuredOutput) -> "GrammarState":
         """A session's matcher; an invalid specification is refused here, before any work."""
         import llguidance  # noqa: PLC0415
 
         try:
-            text = grammar_text(structured)
+            text = grammar_text(structured, self.marker_tokens)
         except ValueError as error:
             raise InvalidRequest(f"structured output ({structured.kind}): {error}") from None
         matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
