@@ -170,8 +170,8 @@ def test_stop_strings_and_greedy_defaults_match_grpc(stack):
 
 BAD = [
     ("completions", dict(prompt=""), "prompt", "prompt is empty"),
-    ("completions", dict(prompt=["a", "b"]), "prompt", "one prompt"),
-    ("completions", dict(n=2), "n", "not supported yet"),
+    ("completions", dict(prompt=["a", ""]), "prompt", "prompt[1] is empty"),
+    ("completions", dict(n=0), "n", "greater than or equal to 1"),
     ("completions", dict(max_tokens=-1), "max_tokens", "greater than or equal to 0"),  # 0: echo (prompt scoring)
     ("completions", dict(policy="bogus:1"), "policy", "unknown policy 'bogus'"),  # gRPC INVALID_ARGUMENT
     ("completions", dict(policy="bogus:1", stream=True), "policy", "unknown policy 'bogus'"),
@@ -246,7 +246,7 @@ def test_models_health_and_metrics_by_route_and_status(stack):
         before = requests_by_label(http.get("/metrics").text)
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
-        http.post("/v1/completions", json={"prompt": PROMPT, "n": 3})
+        http.post("/v1/completions", json={"prompt": PROMPT, "n": 0})
         http.get("/no/such/route")
         after = requests_by_label(http.get("/metrics").text)
     delta = {key: after.get(key, 0) - before.get(key, 0) for key in after}

@@ -105,7 +105,7 @@ def refused(stack, route, **fields):
 
 #: A value of each field that is not supported yet that is NOT its neutral one.
 SHARED_VALUES = {
-    "n": 2, "best_of": 2, "allowed_token_ids": [1, 2], "use_beam_search": True,
+    "allowed_token_ids": [1, 2], "use_beam_search": True,
     "length_penalty": 0.5, "skip_special_tokens": False, "spaces_between_special_tokens": False,
     "truncate_prompt_tokens": 4, "response_format": {"type": "json_object"},
     "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a", "b"],
@@ -117,7 +117,7 @@ SHARED_VALUES = {
 COMPLETION_VALUES = {**SHARED_VALUES, "suffix": "x", "prompt_embeds": "AAAA",
                      "add_special_tokens": False}
 CHAT_VALUES = {
-    **SHARED_VALUES, "echo": True,
+    **SHARED_VALUES, "best_of": 2, "echo": True,
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
     "tool_choice": "auto", "functions": [{"name": "f"}], "function_call": "auto",
     "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],

@@ -4,8 +4,10 @@
 * :mod:`orchestrator.http.app` — the ASGI app (FastAPI) and its routes.
 * :mod:`orchestrator.http.schemas` / :mod:`orchestrator.http.responses` — OpenAI request
   bodies mapped to one gRPC ``GenerateRequest``, and results shaped as OpenAI objects.
+* :mod:`orchestrator.http.choices` — several outputs per request (``n``, ``best_of``, a list of
+  prompts): one gRPC call each, run together.
 * :mod:`orchestrator.http.errors` — the OpenAI error shape and the one gRPC -> HTTP status map.
-* :mod:`orchestrator.http.middleware` — bearer token check and request counters.
+* :mod:`orchestrator.http.middleware` — bearer token check, request counters and admission.
 * :mod:`orchestrator.http.server` — run it with uvicorn from a background thread.
 
 This package imports nothing heavy itself, so that the CLI can read

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API in front of one orchestrator: the ASGI app and its routes.
 
-Every generation request becomes exactly one gRPC ``Generate`` (streamed) or
-``GenerateUnary`` call through :class:`~orchestrator.client.AsyncDiscoClient`; this layer
+Every output of a generation request becomes exactly one gRPC ``Generate`` (streamed) or
+``GenerateUnary`` call through :class:`~orchestrator.client.AsyncDiscoClient` (several
+outputs, ``n``/``best_of``/a list of prompts: :mod:`orchestrator.http.choices`); this layer
 holds no model and no speculation logic, only the mapping of fields
 (:mod:`orchestrator.http.schemas`, :mod:`orchestrator.http.responses`) and of errors
 (:mod:`orchestrator.http.errors`). Routes: ``POST /v1/completions``, ``POST
@@ -9,7 +10,8 @@ holds no model and no speculation logic, only the mapping of fields
 URL or method is a 404 or 405 in the OpenAI error shape.
 
 Generation requests pass :class:`~orchestrator.http.middleware.Admission` first (at most
-``max_concurrent`` at once, a bounded queue behind, 429 beyond) and each has a deadline
+``max_concurrent`` generations at once, a request taking one place per output; a bounded
+queue behind, 429 beyond) and each has a deadline
 from its arrival (``HttpConfig.timeout_s``; 504 past it).
 """
 
@@ -33,7 +35,8 @@ from starlette.types import Receive, Scope, Send
 
 import disco
 from disco.config import SpeculationConfig
-from orchestrator.client import AsyncDiscoClient, AsyncGenerationStream, Chunk, Completion
+from orchestrator.client import AsyncDiscoClient, Chunk, Completion
+from orchestrator.http import choices
 from orchestrator.http.config import HttpConfig
 from orchestrator.http.errors import ApiError, deadline_exceeded, from_rpc_error, invalid, route_error
 from orchestrator.http.middleware import (
@@ -209,21 +212,24 @@ async def _generate(request: Request, body: CompletionRequest | ChatCompletionRe
     gateway = _gateway(request)
     deadline = Deadline(gateway.config.timeout_s)
     prompt_param = "messages" if chat else "prompt"
-    kwargs = body.generate_kwargs(_max_tokens(body, gateway.config.max_tokens_limit))
+    fanout = choices.plan(body, body.generate_kwargs(_max_tokens(body, gateway.config.max_tokens_limit)),
+                         gateway.config.choices_limit)
     shaper = Shaper(chat=chat, model=body.model or await gateway.model_name(),
                     policy=body.policy or SpeculationConfig().policy,
                     id=f"{'chatcmpl' if chat else 'cmpl'}-{body.request_id}" if body.request_id else "",
-                    logprobs=body.logprobs_asked(), echo=bool(kwargs.get("echo")),
+                    logprobs=body.logprobs_asked(), echo=bool(fanout.calls[0].get("echo")),
                     prompt_logprobs=body.prompt_logprobs)
     try:
-        # 429 at once when the queue is full; else wait for a slot (up to the deadline).
-        slot = await _unless_disconnected(request, gateway.admission.wait(), deadline, abandon=Slot.release)
+        # 429 at once when the queue is full; else wait for a place per call (up to the deadline).
+        slot = await _unless_disconnected(request, gateway.admission.wait(len(fanout.calls)), deadline,
+                                          abandon=Slot.release)
     except ApiError as error:
         _log_client_gone(error, shaper.id, "while it waited for a slot")
         raise
     if not body.stream:
         try:
-            result = await _unless_disconnected(request, gateway.client.generate(**kwargs), deadline)
+            results = await _unless_disconnected(
+                request, choices.all_or_none([gateway.client.generate(**kwargs) for kwargs in fanout.calls]), deadline)
         except grpc.RpcError as error:
             raise _rpc_failure(error, deadline, prompt_param) from None
         except ApiError as error:
@@ -231,14 +237,13 @@ async def _generate(request: Request, body: CompletionRequest | ChatCompletionRe
             raise
         finally:
             slot.release()
-        return shaper.completion(result)
-    stream = gateway.client.stream(**kwargs)
-    # At the deadline the gRPC call is cancelled (its next read raises CancelledError, see Deadline.cut).
+        return shaper.completion(fanout.outputs(results))
+    streams = choices.ChoiceStreams([gateway.client.stream(**kwargs) for kwargs in fanout.calls])
+    # At the deadline the gRPC calls are cancelled (their next read raises CancelledError, see Deadline.cut).
     watchdog = None if deadline.at is None else asyncio.get_running_loop().call_later(deadline.remaining(),
-                                                                                      stream.cancel)
+                                                                                      streams.cancel)
     try:
-        chunks = stream.__aiter__()
-        first = await anext(chunks, None)  # errors before the first token keep their HTTP status
+        await streams.start()  # errors before the first tokens keep their HTTP status
     except BaseException as error:
         slot.release()
         if watchdog is not None:
@@ -254,7 +259,7 @@ async def _generate(request: Request, body: CompletionRequest | ChatCompletionRe
         if watchdog is not None:
             watchdog.cancel()
 
-    return AdmittedEvents(_events(stream, chunks, first, shaper, body.include_usage, prompt_param, deadline), end)
+    return AdmittedEvents(_events(streams, fanout, shaper, body.include_usage, prompt_param, deadline), end)
 
 
 class AdmittedEvents(EventSourceResponse):
@@ -299,51 +304,55 @@ def _log_client_gone(error: ApiError, request_id: str, when: str) -> None:
         logger.info("request %s: the client went away %s; cancelled", request_id, when)
 
 
-async def _events(stream: AsyncGenerationStream, chunks: AsyncIterator[Chunk], first: Chunk | None, shaper: Shaper,
-                  include_usage: bool, prompt_param: str, deadline: Deadline) -> AsyncIterator[dict[str, str]]:
-    """The server-sent events of one streamed generation, ending with ``[DONE]``; an
-    error mid-stream is one event with the error object, and the stream ends. When the
-    client goes away the task is cancelled and so is the gRPC call (the orchestrator then
-    frees the request's sessions), and one INFO line says how many tokens were sent."""
+async def _events(streams: choices.ChoiceStreams, fanout: choices.Plan, shaper: Shaper, include_usage: bool,
+                  prompt_param: str, deadline: Deadline) -> AsyncIterator[dict[str, str]]:
+    """The server-sent events of one streamed request, ending with ``[DONE]``: each output's
+    events carry its choice ``index``, interleaved as its tokens come, and its own finish event.
+    An error mid-stream (of any output) is one event with the error object, the other outputs'
+    calls are cancelled, and the stream ends. When the client goes away the task is cancelled
+    and so are the gRPC calls (the orchestrator then frees the request's sessions), and one
+    INFO line says how many tokens were sent."""
 
     def event(data: dict[str, Any]) -> dict[str, str]:
         return {"data": json.dumps(data, ensure_ascii=False)}
 
     sent = 0  # tokens whose event was handed to the client
-    offset = 0  # characters of the answer sent (a completion's text_offset)
+    offsets = [0] * len(streams.streams)  # characters of each choice sent (a completion's text_offset)
+    started = [False] * len(streams.streams)  # whether a choice's first event went out (echo: the prompt first)
+    several = len(streams.streams) > 1
     ended = False
 
-    def piece(source: Chunk | Completion, first_one: bool) -> dict[str, str] | None:
+    def piece(index: int, source: Chunk | Completion) -> dict[str, str] | None:
         """The event of a chunk's text and logprobs (the first one: after the echoed prompt's);
         none when it adds neither (a token inside a character, without logprobs)."""
-        nonlocal offset
-        text, entries = shaper.delta(source, first_one)
+        text, entries = shaper.delta(source, not started[index])
+        started[index] = True
         if not text and not (entries and shaper.logprobs is not None):
             return None
-        data = shaper.chunk(text=text, include_usage=include_usage, text_offset=offset,
+        data = shaper.chunk(text=text, include_usage=include_usage, text_offset=offsets[index], index=index,
                             logprobs=entries if shaper.logprobs is not None else None)
-        offset += len(text)
+        offsets[index] += len(text)
         return event(data)
 
     try:
         if shaper.chat:
-            yield event(shaper.chunk(text="", role="assistant", include_usage=include_usage))
-        if first is not None:
-            if (data := piece(first, True)) is not None:
-                yield data
-            sent += len(first.token_ids)
-            async for chunk in chunks:
-                if (data := piece(chunk, False)) is not None:
+            for index in range(len(streams.streams)):
+                yield event(shaper.chunk(text="", role="assistant", include_usage=include_usage, index=index))
+        async for index, chunk in streams.events():
+            if chunk is not choices.ENDED:
+                if (data := piece(index, chunk)) is not None:
                     yield data
                 sent += len(chunk.token_ids)
-        result = stream.result
-        if result is None:  # the stream ended without its result: never expected from the orchestrator
-            raise ApiError(502, "the orchestrator's stream ended without a result", code="incomplete_stream")
-        if first is None and (data := piece(result, True)) is not None:  # max_tokens 0: the echoed prompt only
-            yield data
-        yield event(shaper.chunk(finish_reason=result.finish_reason, include_usage=include_usage))
+                continue
+            result = streams.streams[index].result
+            if result is None:  # the stream ended without its result: never expected from the orchestrator
+                raise ApiError(502, "the orchestrator's stream ended without a result", code="incomplete_stream")
+            if not started[index] and (data := piece(index, result)) is not None:  # max_tokens 0: the echo only
+                yield data
+            yield event(shaper.chunk(finish_reason=result.finish_reason, include_usage=include_usage, index=index,
+                                     own=shaper.own(result) if several else None))
         if include_usage:
-            yield event(shaper.usage_chunk(result))
+            yield event(shaper.usage_chunk(fanout.outputs([stream.result for stream in streams.streams])))
         yield {"data": "[DONE]"}
         ended = True
     except grpc.RpcError as error:
@@ -358,8 +367,7 @@ async def _events(stream: AsyncGenerationStream, chunks: AsyncIterator[Chunk], f
         ended = True
         yield event(deadline.error().body())
     finally:
-        if stream.result is None:
-            stream.cancel()  # the client left (or the stream failed): free the sessions now
+        streams.cancel()  # the client left (or a stream failed): free the sessions now
         if not ended:
             logger.info("stream %s: the client went away after %d tokens were sent; cancelled", shaper.id, sent)
 

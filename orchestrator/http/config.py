@@ -30,6 +30,9 @@ DEFAULT_BODY_TIMEOUT_S = 30.0
 DEFAULT_MAX_TOKENS_LIMIT = 4096
 #: Generation requests served at once (NOTE: the orchestrator's default ``--max-sessions``).
 DEFAULT_MAX_CONCURRENT = 64
+#: Outputs one request may ask for: ``n`` (or completions' ``best_of``) times its prompts (vLLM has no
+#: such limit; each output here is its own generation, and takes one of ``max_concurrent``'s places).
+DEFAULT_MAX_CHOICES = 16
 #: Waiting requests per running one, by default: ``--max-queue`` is this times ``--max-concurrent``.
 DEFAULT_QUEUE_PER_SLOT = 2
 #: Deadline of a request, from its arrival (the queue wait included) to its last byte.
@@ -72,10 +75,13 @@ class HttpConfig:
         body_timeout_s: a request whose body stalls this long between two reads is answered 408.
         max_tokens_limit: largest ``max_tokens`` (``max_completion_tokens``) a request may ask
             for; more is a 400 naming the field. Defaults are capped to it.
-        max_concurrent: generation requests served at once; the next ones wait in the queue.
+        max_concurrent: generations served at once (a request takes one place per output: ``n``,
+            or ``best_of``, times its prompts); the next requests wait in the queue.
         max_queue: generation requests that may wait for a slot (first come, first served,
             each up to its deadline); one more is answered 429 at once. ``None``:
             :data:`DEFAULT_QUEUE_PER_SLOT` times ``max_concurrent``; 0: no queue.
+        max_choices: outputs one request may ask for (``n``, or completions' ``best_of``, times
+            its prompts); more, or more than ``max_concurrent``, is a 400 naming the field.
     """
 
     server: str
@@ -98,6 +104,7 @@ class HttpConfig:
     max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT
     max_concurrent: int = DEFAULT_MAX_CONCURRENT
     max_queue: int | None = None
+    max_choices: int = DEFAULT_MAX_CHOICES
 
     def __post_init__(self) -> None:
         # NOTE: a lone string would otherwise become a tuple of one-character keys.
@@ -124,6 +131,11 @@ class HttpConfig:
         return self.auth_tokens[0] if self.auth_tokens else None
 
     @property
+    def choices_limit(self) -> int:
+        """Outputs one request may ask for: ``max_choices``, and no more than can run at once."""
+        return min(self.max_choices, self.max_concurrent)
+
+    @property
     def https(self) -> bool:
         return self.https_cert is not None
 
@@ -145,7 +157,7 @@ class HttpConfig:
         if any(not token or any(char.isspace() for char in token) for token in self.auth_tokens):
             raise DiscoError("an API key of the HTTP gateway is empty or contains whitespace")
         for name in ("max_body_bytes", "header_timeout_s", "keep_alive_timeout_s", "body_timeout_s",
-                     "max_tokens_limit", "max_concurrent"):
+                     "max_tokens_limit", "max_concurrent", "max_choices"):
             if not getattr(self, name) > 0:
                 raise DiscoError(f"the HTTP gateway's {name} must be positive, got {getattr(self, name)}")
         if self.timeout_s is not None and not self.timeout_s > 0:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
+from collections import deque
 from typing import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -37,7 +38,8 @@ class HttpMetrics:
         self.latency = Histogram("disco_http_request_duration_seconds",
                                  "Time to the end of the HTTP response (streams: the whole stream)",
                                  ["route"], buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.running = Gauge("disco_http_running_requests", "Generation requests holding a slot",
+        self.running = Gauge("disco_http_running_requests",
+                             "Generations running: one per admitted request and output (n, best_of, prompts)",
                              registry=self.registry)
         self.waiting = Gauge("disco_http_waiting_requests", "Generation requests waiting in the queue for a slot",
                              registry=self.registry)
@@ -48,7 +50,7 @@ class HttpMetrics:
 
 
 class Slot:
-    """One admitted request's place; :meth:`release` gives it back (once, however often called)."""
+    """One admitted request's places; :meth:`release` gives them back (once, however often called)."""
 
     def __init__(self, release: Callable[[], None]) -> None:
         self._release: Callable[[], None] | None = release
@@ -60,46 +62,68 @@ class Slot:
 
 
 class Admission:
-    """At most ``max_concurrent`` generation requests at once; up to ``max_queue`` more wait
-    for a slot, first come first served; one more is refused with 429 at once.
+    """At most ``max_concurrent`` generations at once; up to ``max_queue`` more requests wait
+    for their turn, first come first served; one more is refused with 429 at once.
 
-    A waiting request leaves the queue when its deadline passes or its client goes away
-    (the caller cancels the wait, see ``orchestrator.http.app``). Use it from one event loop.
+    A request takes one place per gRPC generation it runs (``count``: a request for ``n``
+    outputs takes ``n``), all at once: a request never holds some places while it waits for
+    the rest (two such requests could wait on each other), and one at the head of the queue
+    is not overtaken by smaller ones behind it. A count above ``max_concurrent`` could never
+    be admitted: the routes refuse it (400) before they ask. A waiting request leaves the
+    queue when its deadline passes or its client goes away (the caller cancels the wait, see
+    ``orchestrator.http.app``). Use it from one event loop.
     """
 
     def __init__(self, max_concurrent: int, max_queue: int) -> None:
         self.max_concurrent = max_concurrent
         self.max_queue = max_queue
-        self.running = 0
-        self.waiting = 0
-        self._slots = asyncio.Semaphore(max_concurrent)
+        self.running = 0  # places taken (generations running)
+        self.waiting = 0  # requests in the queue
+        self._queue: deque[tuple[int, asyncio.Future[Slot]]] = deque()
 
-    def wait(self) -> asyncio.Future[Slot]:
-        """A slot, at once or after a wait in the queue (cancel the future to leave the queue).
+    def wait(self, count: int = 1) -> asyncio.Future[Slot]:
+        """``count`` places, at once or after a wait in the queue (cancel the future to leave the queue).
 
         Raises:
-            ApiError: 429 ``too_many_requests`` (at once, not when awaited) when every slot is
-                taken and the queue is full.
+            ValueError: ``count`` is not in [1, ``max_concurrent``].
+            ApiError: 429 ``too_many_requests`` (at once, not when awaited) when the request
+                cannot start now and the queue is full.
         """
-        if self._slots.locked() and self.waiting >= self.max_queue:
-            raise ApiError(429, f"too many requests: {self.running} running and {self.waiting} waiting (the "
-                                "limits of this server); retry later", code="too_many_requests")
+        if not 1 <= count <= self.max_concurrent:
+            raise ValueError(f"a request takes 1 to {self.max_concurrent} places, not {count}")
+        future: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
+        if not self._queue and self.running + count <= self.max_concurrent:
+            self.running += count
+            future.set_result(self._slot(count))
+            return future
+        if self.waiting >= self.max_queue:
+            raise ApiError(429, f"too many requests: {self.running} generations running and {self.waiting} "
+                                "requests waiting (the limits of this server); retry later", code="too_many_requests")
         self.waiting += 1  # counted at once, so that the next request sees it
-        task = asyncio.ensure_future(self._acquire())
-        task.add_done_callback(self._left_queue)  # acquired, or cancelled (even before it started)
-        return task
+        self._queue.append((count, future))
+        future.add_done_callback(self._left_queue)  # admitted, or cancelled
+        return future
 
-    def _left_queue(self, _: asyncio.Future) -> None:
+    def _slot(self, count: int) -> Slot:
+        return Slot(lambda: self._release(count))
+
+    def _left_queue(self, future: asyncio.Future[Slot]) -> None:
         self.waiting -= 1
+        if future.cancelled():
+            self._queue = deque(entry for entry in self._queue if entry[1] is not future)
+            self._admit()  # the head may have left: the next ones may fit now
 
-    async def _acquire(self) -> Slot:
-        await self._slots.acquire()
-        self.running += 1
-        return Slot(self._release)
+    def _release(self, count: int) -> None:
+        self.running -= count
+        self._admit()
 
-    def _release(self) -> None:
-        self.running -= 1
-        self._slots.release()
+    def _admit(self) -> None:
+        """Start the requests at the head of the queue while their places are free."""
+        while self._queue and (self._queue[0][1].done() or self.running + self._queue[0][0] <= self.max_concurrent):
+            count, future = self._queue.popleft()
+            if not future.done():  # NOTE: a cancelled one leaves the queue in its callback, a moment later
+                self.running += count
+                future.set_result(self._slot(count))
 
 
 class MetricsMiddleware:

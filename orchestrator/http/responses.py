@@ -7,6 +7,11 @@ answer carries ``speculation``: what the request's speculation did (from the gRP
 ``RequestStats``), and ``seed``: the seed the request was sampled with — its own, or the
 random one drawn when it gave none (``null`` under greedy decoding) — which, sent back as
 the request's ``seed``, gives the same text whatever the policy, lookahead and load.
+
+An answer of several generations (``n``, ``best_of``, a list of prompts:
+:mod:`orchestrator.http.choices`) has one choice per output (``index`` 0, 1, ...): each
+choice also carries its own ``seed`` and ``speculation``, while ``usage`` and the top-level
+``speculation`` add up every generation (``best_of``'s candidates included).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.client import Chunk, Completion, TokenLogprob
+from orchestrator.http.choices import Outputs
 from orchestrator.http.logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 
 
@@ -53,22 +59,34 @@ class Shaper:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def completion(self, result: Completion) -> dict[str, Any]:
+    def completion(self, outputs: Outputs) -> dict[str, Any]:
         """The whole answer (``stream: false``)."""
+        choices = [self._choice(result, index, outputs.several) for index, result in enumerate(outputs.choices)]
+        body = self._envelope("chat.completion" if self.chat else "text_completion", choices)
+        if self.chat and self.prompt_logprobs is not None:  # vLLM's: at the top of a chat completion
+            body["prompt_logprobs"] = vllm_prompt_logprobs(outputs.choices[0].prompt_logprobs, self.prompt_logprobs)
+        return {**body, **self._totals(outputs)}
+
+    def _choice(self, result: Completion, index: int, several: bool) -> dict[str, Any]:
         text, entries = self.delta(result, first=True)
         logprobs = self._logprobs(entries)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+            choice = {"index": index, "message": {"role": "assistant", "content": text},
                       "logprobs": logprobs, "finish_reason": result.finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": result.finish_reason}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": result.finish_reason}
             if self.prompt_logprobs is not None:  # vLLM puts them in the choice of a completion
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(result.prompt_logprobs, self.prompt_logprobs)
-        body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
-        if self.chat and self.prompt_logprobs is not None:  # ... and at the top of a chat completion
-            body["prompt_logprobs"] = vllm_prompt_logprobs(result.prompt_logprobs, self.prompt_logprobs)
-        return {**body, "usage": usage(result.stats), "speculation": speculation(result.stats, self.policy),
-                "seed": result.stats.get("seed")}
+        return {**choice, **(self.own(result) if several else {})}
+
+    def own(self, result: Completion) -> dict[str, Any]:
+        """What one output of several reports of itself: its ``seed`` and ``speculation``."""
+        return {"seed": result.stats.get("seed"), "speculation": speculation(result.stats, self.policy)}
+
+    def _totals(self, outputs: Outputs) -> dict[str, Any]:
+        stats = combined_stats([result.stats for result in outputs.generated])
+        return {"usage": usage({**stats, "prompt_tokens": outputs.prompt_tokens}),
+                "speculation": speculation(stats, self.policy), "seed": outputs.seed}
 
     def delta(self, event: Chunk | Completion, first: bool) -> tuple[str, list[TokenLogprob]]:
         """The text and logprob entries ``event`` adds to the answer: a streamed chunk's (the first
@@ -88,29 +106,46 @@ class Shaper:
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None, role: str | None = None,
               include_usage: bool = False, logprobs: list[TokenLogprob] | None = None,
-              text_offset: int = 0) -> dict[str, Any]:
-        """One streamed event with a text delta (or the role, or the finish reason) and, when
-        asked, the logprobs of its tokens (``text_offset``: the answer's characters before it)."""
+              text_offset: int = 0, index: int = 0, own: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One streamed event of choice ``index`` with a text delta (or the role, or the finish
+        reason, with ``own``: what one output of several reports of itself) and, when asked, the
+        logprobs of its tokens (``text_offset``: the choice's characters before it)."""
         shaped = self._logprobs(logprobs, text_offset) if logprobs is not None else None
         if self.chat:
             delta = {**({"role": role} if role else {}), **({"content": text} if text is not None else {})}
-            choice = {"index": 0, "delta": delta, "logprobs": shaped, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": shaped, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": shaped, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text or "", "logprobs": shaped, "finish_reason": finish_reason}
+        choice.update(own or {})
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
         return {**body, "usage": None} if include_usage else body
 
-    def usage_chunk(self, result: Completion) -> dict[str, Any]:
+    def usage_chunk(self, outputs: Outputs) -> dict[str, Any]:
         """The last event with ``stream_options.include_usage``: no choices, the usage."""
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
-        return {**body, "usage": usage(result.stats), "speculation": speculation(result.stats, self.policy),
-                "seed": result.stats.get("seed")}
+        return {**body, **self._totals(outputs)}
 
 
 def usage(stats: dict) -> dict[str, int]:
     """OpenAI's ``usage`` from the request's stats."""
     prompt, completion = int(stats.get("prompt_tokens", 0)), int(stats.get("generated_tokens", 0))
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+#: The counts of :func:`speculation` that several generations add up.
+SUMMED_STATS = ("generated_tokens", "iterations", "draft_tokens", "accepted_tokens", "target_forwards",
+                "draft_forwards", "draft_fallbacks")
+
+
+def combined_stats(stats: list[dict]) -> dict:
+    """The stats of several generations as one: counts added up, the rates recomputed from them
+    (one generation's: unchanged)."""
+    if len(stats) == 1:
+        return stats[0]
+    total = {key: sum(int(one.get(key, 0)) for one in stats) for key in SUMMED_STATS}
+    draft, iterations = total["draft_tokens"], total["iterations"]
+    return {**total, "acceptance_rate": round(total["accepted_tokens"] / draft, 6) if draft else 0.0,
+            "mean_lookahead": round(draft / iterations, 4) if iterations else 0.0}
 
 
 def speculation(stats: dict, policy: str) -> dict[str, Any]:

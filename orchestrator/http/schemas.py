@@ -11,8 +11,12 @@ completions requests is declared here, as one of three kinds (docs/http.md has t
 * **no effect by definition**: accepted with any value because it cannot change the output
   (``user``, ``metadata``, ``cache_salt``, ...);
 * **not supported yet** (:attr:`Strict.NOT_YET`): accepted only at its neutral value, the
-  one that changes nothing (``best_of: 1``, ``n: 1``, ``suffix: ""``, ...);
+  one that changes nothing (``suffix: ""``, ``use_beam_search: false``, ...);
   any other value is a 400 naming the field.
+
+Several outputs per request (``n``, completions' ``best_of`` and list of prompts) are one gRPC
+request per output: :meth:`GenerationRequest.generate_kwargs` gives one per prompt and
+:mod:`orchestrator.http.choices` fans them out.
 
 A field that is in neither API is a 400 naming it (``extra="forbid"``), as OpenAI answers
 an unrecognized argument.
@@ -43,6 +47,10 @@ UNRECOGNIZED = "Unrecognized request argument supplied: {name}"
 
 def _refuse(message: str) -> PydanticCustomError:
     return PydanticCustomError("invalid_value", message)
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _render(values: tuple[Any, ...]) -> str:
@@ -79,8 +87,6 @@ class StreamOptions(Strict):
 
 #: Neutral values of the sampling and output fields both routes share (vLLM's names).
 SHARED_NOT_YET: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1),
-    "best_of": (None, 1),
     "allowed_token_ids": (None,),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1.0),
@@ -143,12 +149,14 @@ class GenerationRequest(Strict):
                                         description="vLLM's: the prompt tokens' logprobs (not streamed)")
     # Applied by completions; chat: not supported yet (its NOT_YET: vLLM's chat echo is another thing).
     echo: bool | None = None
+    # Applied: several outputs (orchestrator.http.choices); best_of: completions only (chat's NOT_YET).
+    n: int | None = Field(default=None, ge=1, description="outputs per prompt, each its own generation")
+    best_of: int | None = Field(default=None, ge=1, description="completions: candidates per prompt, the n with "
+                                                                 "the highest summed target logprob returned")
     # No effect on the output, by definition: accepted with any value.
     user: str | None = None
     cache_salt: str | None = None  # vLLM: salts its prefix cache; disco shares no cache between requests
     # Not supported yet (NOT_YET): only their neutral value is accepted.
-    n: int | None = None
-    best_of: int | None = None
     allowed_token_ids: list[int] | None = None
     use_beam_search: bool | None = None
     length_penalty: float | None = None
@@ -217,6 +225,10 @@ class GenerationRequest(Strict):
         """The alternatives per generated token the response shows (``None``: no logprobs)."""
         raise NotImplementedError
 
+    def best_of_asked(self) -> int | None:
+        """Candidates per prompt, of which the ``n`` best are returned (``None``: ``n``); chat has none."""
+        return None
+
     def check_logprob_fields(self) -> None:
         """Refuse what cannot be combined (a 400 naming the field); the ranges are the fields'.
 
@@ -247,12 +259,11 @@ class GenerationRequest(Strict):
 
 
 class CompletionRequest(GenerationRequest):
-    """``POST /v1/completions``: a raw prompt, as text or token ids (one prompt only)."""
+    """``POST /v1/completions``: raw prompts, as text or token ids (``prompt``: kept as a list)."""
 
     NOT_YET = {**SHARED_NOT_YET, "suffix": (None, ""), "prompt_embeds": (None,), "add_special_tokens": (None, True)}
 
-    prompt: Any = Field(description="a string, a list with one string, token ids, or a list with one list "
-                                    "of token ids")
+    prompt: Any = Field(description="a string, a list of strings, token ids, or a list of lists of token ids")
     max_tokens: int | None = Field(default=None, ge=0, description="0 only with echo: the prompt scored")
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS,
                                  description="the sampled token's logprob and this many alternatives")
@@ -262,20 +273,22 @@ class CompletionRequest(GenerationRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt: Any) -> str | list[int]:
-        """One prompt; only a truly empty one is refused (whitespace is a prompt: it has tokens)."""
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            if not prompt:
-                raise _refuse("prompt is empty")
-            return prompt
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                       for t in prompt):
-            return prompt
-        if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-            raise _refuse(f"only one prompt per request is supported yet, got {len(prompt)}")
-        raise _refuse("prompt must be a non-empty string or a non-empty list of token ids")
+    def _prompts(cls, prompt: Any) -> list[str | list[int]]:
+        """The prompts, as a list: a string, token ids, or a list of either (OpenAI's four forms, not
+        mixed). Only a truly empty prompt is refused (whitespace is a prompt: it has tokens)."""
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt)):
+            prompt = [prompt]
+        if not isinstance(prompt, list) or not prompt or not (
+                all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt)):
+            raise _refuse("prompt must be a non-empty string, a list of strings, a non-empty list of token ids "
+                          "or a list of lists of token ids")
+        for index, one in enumerate(prompt):
+            where = "" if len(prompt) == 1 else f"prompt[{index}] "
+            if isinstance(one, str) and not one:
+                raise _refuse(f"{where or 'prompt '}is empty")
+            if isinstance(one, list) and not (one and all(_is_token_id(t) for t in one)):
+                raise _refuse(f"{where or 'prompt '}must be a non-empty list of token ids")
+        return prompt
 
     def default_max_tokens(self) -> int:
         return COMPLETIONS_DEFAULT_MAX_TOKENS
@@ -283,10 +296,13 @@ class CompletionRequest(GenerationRequest):
     def logprobs_asked(self) -> int | None:
         return self.logprobs
 
-    def generate_kwargs(self, max_tokens: int) -> dict[str, Any]:
-        """The keyword arguments of :func:`~orchestrator.client.build_request`. With ``echo`` the
-        server returns the prompt's text and, with ``logprobs``, its tokens' logprobs; ``max_tokens:
-        0`` (echo only) scores the prompt without generating.
+    def best_of_asked(self) -> int | None:
+        return self.best_of
+
+    def generate_kwargs(self, max_tokens: int) -> list[dict[str, Any]]:
+        """The keyword arguments of :func:`~orchestrator.client.build_request`, one per prompt. With
+        ``echo`` the server returns the prompt's text and, with ``logprobs``, its tokens' logprobs;
+        ``max_tokens: 0`` (echo only) scores the prompt without generating.
 
         Raises:
             ApiError: ``max_tokens: 0`` without ``echo``.
@@ -294,16 +310,15 @@ class CompletionRequest(GenerationRequest):
         if max_tokens == 0 and not self.echo:
             raise invalid("max_tokens must be >= 1 (0 only with echo: the prompt is scored, nothing is "
                           "generated)", "max_tokens")
-        prompt = self.prompt
-        text, ids = (prompt, None) if isinstance(prompt, str) else ("", prompt)
-        kwargs = {"prompt": text, "prompt_ids": ids, "chat": False, **self.sampling_kwargs(max_tokens)}
+        sampling = self.sampling_kwargs(max_tokens)
         if self.echo:
             # The prompt's logprobs as many as the echoed tokens show (and vLLM's field asks);
             # NOTE: max_tokens 0 is prompt scoring, for which the server computes them in any case.
-            asked = [n for n in (kwargs["prompt_logprobs"], self.logprobs, 0 if max_tokens == 0 else None)
+            asked = [n for n in (sampling["prompt_logprobs"], self.logprobs, 0 if max_tokens == 0 else None)
                      if n is not None]
-            kwargs.update(echo=True, prompt_logprobs=max(asked) if asked else None)
-        return kwargs
+            sampling.update(echo=True, prompt_logprobs=max(asked) if asked else None)
+        return [{"prompt": prompt, "prompt_ids": None, "chat": False, **sampling} if isinstance(prompt, str)
+                else {"prompt": "", "prompt_ids": prompt, "chat": False, **sampling} for prompt in self.prompt]
 
 
 class ContentPart(Strict):
@@ -359,7 +374,7 @@ class ChatCompletionRequest(GenerationRequest):
     template (``GenerateRequest.messages``). Tool and function messages are refused.
     """
 
-    NOT_YET = {**SHARED_NOT_YET, "echo": (None, False), "tools": (None, []),
+    NOT_YET = {**SHARED_NOT_YET, "best_of": (None, 1), "echo": (None, False), "tools": (None, []),
                "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
                "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
                "reasoning_effort": (None,), "verbosity": (None,), "web_search_options": (None,),
@@ -430,10 +445,10 @@ class ChatCompletionRequest(GenerationRequest):
         if self.top_logprobs and not self.logprobs:
             raise invalid("top_logprobs: needs logprobs: true", "top_logprobs")
 
-    def generate_kwargs(self, max_tokens: int) -> dict[str, Any]:
-        """The keyword arguments of :func:`~orchestrator.client.build_request`."""
+    def generate_kwargs(self, max_tokens: int) -> list[dict[str, Any]]:
+        """The keyword arguments of :func:`~orchestrator.client.build_request` (one conversation)."""
         messages = [(ROLE_ALIASES.get(message.role, message.role), message.text()) for message in self.messages]
-        return {"messages": messages, **self.sampling_kwargs(max_tokens)}
+        return [{"messages": messages, **self.sampling_kwargs(max_tokens)}]
 
 
 #: Fields of the nested request objects, which a ``param`` path goes through.
