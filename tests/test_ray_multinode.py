@@ -54,14 +54,18 @@ pytestmark = pytest.mark.ray
 
 NEW_TOKENS = 24
 LONG_TOKENS = 200  # static:1: a round trip per token, long enough to lose a node mid-stream
-RECOVERY_TIMEOUT_S = 180.0
+RECOVERY_TIMEOUT_S = 300.0  # a replica restarted on a new node under load: Ray's worker start-up is the slow part
 LOOPBACK = "127.0.0.1"
 NODE = {"num_cpus": 1, "object_store_memory": 80 * 2**20, "node_ip_address": LOOPBACK}
 PUBLIC_TOKEN = "multinode-public-0123456789"
 BACKEND_TOKEN = "multinode-backend-0123456789"
 ROLE_RESOURCES = {"target": {"disco_target": 1.0}, "draft": {"disco_draft": 1.0}}
-FAST_FAILURE_DETECTION = {"health_check_period_ms": 500, "health_check_failure_threshold": 4,
-                          "health_check_timeout_ms": 500}
+# A removed node is declared dead after ~10 missed checks of 1 s (Ray's default: 5 of 3 s),
+# fast enough for these tests. NOTE: 4 missed checks of 0.5 s (the earlier setting) also declared
+# LIVE nodes dead on a loaded 2-core machine (beside two busy processes, a raylet stalls for
+# seconds): the spare node then vanished and the replica never came back (issue 46).
+FAST_FAILURE_DETECTION = {"health_check_period_ms": 1000, "health_check_failure_threshold": 10,
+                          "health_check_timeout_ms": 3000}
 
 
 @dataclass

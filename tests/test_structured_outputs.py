@@ -196,3 +196,18 @@ def test_overlapped_drafting_under_a_grammar(target_model, tokenizer, prompt_ids
         assert result.token_ids == pair["speculative"].generate(prompt_ids, sampling,
                                                                 SpeculationConfig("none")).token_ids
         assert result.stats.overlap_hits > 0 and result.stats.overlap_misses == 0, mode
+
+
+def test_filler_vocabulary_entries_are_never_allowed(target_model, tokenizer):
+    """A converted tokenizer padded to the model's rows (``[PAD151665]`` ...) has entries llguidance
+    reads as literal text; they are masked out wherever the grammar would allow text."""
+    from disco.speculation.grammar import GrammarState  # noqa: PLC0415
+
+    compiler = grammar_for(target_model, tokenizer)
+    open_string = tokenizer('{"a": "x')["input_ids"]
+    allowed = compiler.start(CONSTRAINTS["json_object"]).masks(open_string, [], 1)[0]
+    fillers = torch.nonzero(allowed).flatten()[:3].tolist()
+    state = GrammarState(compiler.start(CONSTRAINTS["json_object"]).matcher, compiler.vocab_size, (EOS_ID,), fillers)
+    masked = state.masks(open_string, [], 1)[0]
+    assert not masked[fillers].any() and int(masked.sum()) == int(allowed.sum()) - 3
+    assert compiler.filler_ids == ()  # the tiny tokenizer has none

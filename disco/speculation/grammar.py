@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import threading
 from typing import Sequence
 
@@ -44,6 +45,7 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 
 #: The tool-call markers of the Qwen2.5 / Hermes chat format.
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+_FILLER = re.compile(r"\[PAD\d+\]")
 
 
 def tool_calls_grammar(spec: str, marker_tokens: bool) -> str:
@@ -105,6 +107,14 @@ class GrammarCompiler:
             return self._tokenizer
 
     @functools.cached_property
+    def filler_ids(self) -> tuple[int, ...]:
+        """Ids of the vocabulary's filler entries (``[PAD151665]``-style tokens that pad a
+        converted tokenizer to the model's rows): llguidance reads them as literal text, so a JSON
+        string would allow them; they are never allowed."""
+        return tuple(sorted(token_id for token, token_id in self.hf_tokenizer.get_vocab().items()
+                            if _FILLER.fullmatch(token)))
+
+    @functools.cached_property
     def marker_tokens(self) -> bool:
         """Whether the tool-call markers are tokens of their own in this tokenizer."""
         vocab = self.hf_tokenizer.get_vocab()
@@ -122,7 +132,7 @@ class GrammarCompiler:
         if matcher.is_error():
             raise InvalidRequest(f"structured output ({structured.kind}) is not valid: "
                                  f"{matcher.get_error().splitlines()[0]}")
-        return GrammarState(matcher, self.vocab_size, self.eos_token_ids)
+        return GrammarState(matcher, self.vocab_size, self.eos_token_ids, self.filler_ids)
 
 
 class GrammarState:
@@ -130,9 +140,11 @@ class GrammarState:
     ends with is not consumed (llguidance refuses tokens once it has stopped): the output has
     ended there, and a position after it (a draft drafting past its own EOS) is unconstrained."""
 
-    def __init__(self, matcher, vocab_size: int, eos_token_ids: Sequence[int] = ()) -> None:
+    def __init__(self, matcher, vocab_size: int, eos_token_ids: Sequence[int] = (),
+                 filler_ids: Sequence[int] = ()) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
+        self.filler_ids = torch.tensor(list(filler_ids), dtype=torch.long)
         self.eos_token_ids = frozenset(int(token) for token in eos_token_ids)
         self.consumed: list[int] = []
         self.ended = False  # the output holds an EOS after what was consumed
@@ -193,6 +205,7 @@ class GrammarState:
         allowed = np.unpackbits(bits, bitorder="little")[:self.vocab_size].astype(bool)
         mask = torch.zeros(self.vocab_size, dtype=torch.bool)
         mask[:len(allowed)] = torch.from_numpy(allowed)
+        mask[self.filler_ids] = False
         return mask
 
 
