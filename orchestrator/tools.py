@@ -75,3 +75,36 @@ def parse_tool_calls(text: str, request_id: str) -> tuple[str, list[ToolCall]]:
         return text, []
     kept.append(text[position:])
     return "".join(kept).strip(), calls
+
+
+class ToolCallStream:
+    """One streamed chat choice whose text may hold tool calls: the content is sent as it
+    comes, up to the first ``<tool_call>`` (a text ending with a prefix of the marker is held
+    back until the next piece tells); from the marker on, the text is held and parsed at the end
+    (:meth:`finish`), as vLLM's Hermes parser streams calls once they are complete."""
+
+    def __init__(self) -> None:
+        self.held = ""
+        self.in_calls = False
+
+    def feed(self, text: str) -> str:
+        """The part of ``text`` (after what was held back) that is content to send now."""
+        buffer = self.held + text
+        if self.in_calls:
+            self.held = buffer
+            return ""
+        at = buffer.find(HERMES_MARKERS[0])
+        if at >= 0:
+            self.in_calls, self.held = True, buffer[at:]
+            return buffer[:at]
+        keep = next((k for k in range(len(HERMES_MARKERS[0]) - 1, 0, -1) if buffer.endswith(HERMES_MARKERS[0][:k])), 0)
+        self.held = buffer[len(buffer) - keep:] if keep else ""
+        return buffer[:len(buffer) - keep]
+
+    def finish(self, request_id: str) -> tuple[str, list[ToolCall]]:
+        """The content still to send and the calls, at the end of the choice."""
+        held, self.held = self.held, ""
+        if not self.in_calls:
+            return held, []
+        content, calls = parse_tool_calls(held, request_id)
+        return (content if calls else held), calls

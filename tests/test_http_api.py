@@ -180,7 +180,7 @@ BAD = [
     ("completions", dict(stream_options={"include_usage": True}), None, "only allowed with stream"),
     ("chat", dict(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]),
      "messages", "last message must have role 'user'"),
-    ("chat", dict(messages=[{"role": "tool", "content": "42"}, {"role": "user", "content": "Hi"}]),
+    ("chat", dict(messages=[{"role": "function", "content": "42"}, {"role": "user", "content": "Hi"}]),
      "messages", "not supported"),
     ("chat", dict(messages=[]), "messages", "messages is empty"),
     ("chat", dict(messages=[{"role": "user", "content": ""}]), "messages", "every message is empty"),

@@ -107,10 +107,8 @@ def refused(stack, route, **fields):
 SHARED_VALUES = {
     "allowed_token_ids": [1, 2], "use_beam_search": True,
     "length_penalty": 0.5, "skip_special_tokens": False, "spaces_between_special_tokens": False,
-    "truncate_prompt_tokens": 4, "response_format": {"type": "json_object"},
-    "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a", "b"],
-    "guided_grammar": 'root ::= "a"', "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ",
-    "structural_tag": "{}", "structured_outputs": {"regex": "a+"}, "logits_processors": ["pkg.Processor"],
+    "truncate_prompt_tokens": 4, "guided_whitespace_pattern": " ",
+    "structural_tag": "{}", "logits_processors": ["pkg.Processor"],
     "return_tokens_as_token_ids": True, "return_token_ids": True, "priority": 1, "kv_transfer_params": {"a": 1},
     "vllm_xargs": {"a": 1}, "mm_processor_kwargs": {"a": 1},
 }
@@ -118,17 +116,14 @@ COMPLETION_VALUES = {**SHARED_VALUES, "suffix": "x", "prompt_embeds": "AAAA",
                      "add_special_tokens": False}
 CHAT_VALUES = {
     **SHARED_VALUES, "best_of": 2, "echo": True,
-    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
-    "tool_choice": "auto", "functions": [{"name": "f"}], "function_call": "auto",
+    "functions": [{"name": "f"}], "function_call": "auto",
     "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low", "verbosity": "low",
-    "web_search_options": {}, "service_tier": "flex", "store": True, "add_generation_prompt": False,
-    "continue_final_message": True, "add_special_tokens": True, "documents": [{"title": "a", "text": "b"}],
+    "web_search_options": {}, "service_tier": "flex", "store": True, "add_special_tokens": True, "documents": [{"title": "a", "text": "b"}],
     "chat_template": "{{ messages }}", "chat_template_kwargs": {"enable_thinking": False},
     "include_reasoning": False,
 }
-MESSAGE_VALUES = {"name": "bob", "tool_calls": [{"id": "1", "type": "function"}], "tool_call_id": "1",
-                  "function_call": {"name": "f", "arguments": "{}"}, "audio": {"id": "a"}, "refusal": "no"}
+MESSAGE_VALUES = {"function_call": {"name": "f", "arguments": "{}"}, "audio": {"id": "a"}, "refusal": "no"}
 
 
 def test_every_field_not_supported_yet_has_a_refused_value_here():
@@ -181,7 +176,7 @@ def test_neutral_values_and_no_effect_fields_are_accepted_and_change_nothing(sta
     expected = create(stack, route, **base)
     no_effect = dict(user="user-1", cache_salt="salt")
     if route == "chat":
-        no_effect |= dict(metadata={"k": "v"}, parallel_tool_calls=True, prompt_cache_key="key",
+        no_effect |= dict(metadata={"k": "v"}, prompt_cache_key="key",
                           safety_identifier="someone")
         messages = [{"role": "user", "content": "Hi", **neutral_body(ChatMessage.NOT_YET, lambda v: v[-1])}]
     for pick in (lambda values: values[-1], lambda values: values[0]):
@@ -202,7 +197,7 @@ def test_the_neutral_values_named_in_the_issue_are_accepted(stack):
     for route, fields in [("completions", dict(n=1, presence_penalty=0, logprobs=None, frequency_penalty=0.0,
                                                repetition_penalty=1.0, min_p=0, min_tokens=0, stop_token_ids=[],
                                                include_stop_str_in_output=False, response_format={"type": "text"})),
-                          ("chat", dict(tool_choice="none", parallel_tool_calls=False, top_logprobs=0,
+                          ("chat", dict(tool_choice="none", top_logprobs=0,
                                         logprobs=False, response_format={"type": "text"}))]:
         assert create(stack, route, max_tokens=2, **fields).usage.completion_tokens >= 1
 

@@ -48,6 +48,8 @@ from orchestrator.http.middleware import (
     Slot,
 )
 from orchestrator.http.responses import Shaper
+from orchestrator.http.structured import parses_tool_calls
+from orchestrator.tools import ToolCallStream
 from orchestrator.http.schemas import (
     UNRECOGNIZED,
     ChatCompletionRequest,
@@ -218,7 +220,7 @@ async def _generate(request: Request, body: CompletionRequest | ChatCompletionRe
                     policy=body.policy or SpeculationConfig().policy,
                     id=f"{'chatcmpl' if chat else 'cmpl'}-{body.request_id}" if body.request_id else "",
                     logprobs=body.logprobs_asked(), echo=bool(fanout.calls[0].get("echo")),
-                    prompt_logprobs=body.prompt_logprobs)
+                    prompt_logprobs=body.prompt_logprobs, tools=chat and parses_tool_calls(body))
     try:
         # 429 at once when the queue is full; else wait for a place per call (up to the deadline).
         slot = await _unless_disconnected(request, gateway.admission.wait(len(fanout.calls)), deadline,
@@ -321,12 +323,15 @@ async def _events(streams: choices.ChoiceStreams, fanout: choices.Plan, shaper: 
     started = [False] * len(streams.streams)  # whether a choice's first event went out (echo: the prompt first)
     several = len(streams.streams) > 1
     ended = False
+    calls = [ToolCallStream() for _ in streams.streams] if shaper.tools else None  # text held back per choice
 
     def piece(index: int, source: Chunk | Completion) -> dict[str, str] | None:
         """The event of a chunk's text and logprobs (the first one: after the echoed prompt's);
         none when it adds neither (a token inside a character, without logprobs)."""
         text, entries = shaper.delta(source, not started[index])
         started[index] = True
+        if calls is not None:
+            text = calls[index].feed(text)
         if not text and not (entries and shaper.logprobs is not None):
             return None
         data = shaper.chunk(text=text, include_usage=include_usage, text_offset=offsets[index], index=index,
@@ -349,7 +354,16 @@ async def _events(streams: choices.ChoiceStreams, fanout: choices.Plan, shaper: 
                 raise ApiError(502, "the orchestrator's stream ended without a result", code="incomplete_stream")
             if not started[index] and (data := piece(index, result)) is not None:  # max_tokens 0: the echo only
                 yield data
-            yield event(shaper.chunk(finish_reason=result.finish_reason, include_usage=include_usage, index=index,
+            finish_reason = result.finish_reason
+            if calls is not None:
+                rest, made = calls[index].finish(shaper.call_id(index))
+                if rest:
+                    yield event(shaper.chunk(text=rest, include_usage=include_usage, index=index))
+                for number, call in enumerate(made):
+                    yield event(shaper.chunk(include_usage=include_usage, index=index,
+                                             tool_calls=[{"index": number, **call.to_openai()}]))
+                finish_reason = "tool_calls" if made else finish_reason
+            yield event(shaper.chunk(finish_reason=finish_reason, include_usage=include_usage, index=index,
                                      own=shaper.own(result) if several else None))
         if include_usage:
             yield event(shaper.usage_chunk(fanout.outputs([stream.result for stream in streams.streams])))

@@ -24,6 +24,7 @@ from typing import Any
 from orchestrator.client import Chunk, Completion, TokenLogprob
 from orchestrator.http.choices import Outputs
 from orchestrator.http.logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
+from orchestrator.tools import parse_tool_calls
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,11 @@ class Shaper:
     logprobs: int | None = None
     echo: bool = False
     prompt_logprobs: int | None = None
+    tools: bool = False  # a chat answer's text is parsed for tool calls (orchestrator.tools)
+
+    def call_id(self, index: int) -> str:
+        """The request id the tool call ids of choice ``index`` derive from."""
+        return f"{self.id}-{index}"
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -71,8 +77,15 @@ class Shaper:
         text, entries = self.delta(result, first=True)
         logprobs = self._logprobs(entries)
         if self.chat:
-            choice = {"index": index, "message": {"role": "assistant", "content": text},
-                      "logprobs": logprobs, "finish_reason": result.finish_reason}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            finish_reason = result.finish_reason
+            if self.tools:
+                content, calls = parse_tool_calls(text, self.call_id(index))
+                if calls:
+                    message = {"role": "assistant", "content": content or None,
+                               "tool_calls": [call.to_openai() for call in calls]}
+                    finish_reason = "tool_calls"
+            choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": result.finish_reason}
             if self.prompt_logprobs is not None:  # vLLM puts them in the choice of a completion
@@ -106,13 +119,15 @@ class Shaper:
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None, role: str | None = None,
               include_usage: bool = False, logprobs: list[TokenLogprob] | None = None,
-              text_offset: int = 0, index: int = 0, own: dict[str, Any] | None = None) -> dict[str, Any]:
+              text_offset: int = 0, index: int = 0, own: dict[str, Any] | None = None,
+              tool_calls: list[dict] | None = None) -> dict[str, Any]:
         """One streamed event of choice ``index`` with a text delta (or the role, or the finish
         reason, with ``own``: what one output of several reports of itself) and, when asked, the
         logprobs of its tokens (``text_offset``: the choice's characters before it)."""
         shaped = self._logprobs(logprobs, text_offset) if logprobs is not None else None
         if self.chat:
-            delta = {**({"role": role} if role else {}), **({"content": text} if text is not None else {})}
+            delta = {**({"role": role} if role else {}), **({"content": text} if text is not None else {}),
+                     **({"tool_calls": tool_calls} if tool_calls else {})}
             choice = {"index": index, "delta": delta, "logprobs": shaped, "finish_reason": finish_reason}
         else:
             choice = {"index": index, "text": text or "", "logprobs": shaped, "finish_reason": finish_reason}

@@ -34,6 +34,7 @@ from disco.config import MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_STRINGS, PENALTY
 from disco.speculation.policies.spec import MAX_POLICY_SPEC_CHARS
 from orchestrator.http.controls import CHECKS, control_kwargs
 from orchestrator.http.errors import invalid
+from orchestrator.http.structured import structured_kwargs
 
 #: OpenAI's default ``max_tokens`` of a text completion (also when it is sent as ``null``).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -93,15 +94,8 @@ SHARED_NOT_YET: dict[str, tuple[Any, ...]] = {
     "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True),
     "truncate_prompt_tokens": (None,),
-    "response_format": (None, {"type": "text"}),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "guided_decoding_backend": (None,),
     "guided_whitespace_pattern": (None,),
     "structural_tag": (None,),
-    "structured_outputs": (None,),
     "logits_processors": (None, []),
     "return_tokens_as_token_ids": (None, False),
     "return_token_ids": (None, False),
@@ -255,6 +249,7 @@ class GenerationRequest(Strict):
             "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or ()),
             "ignore_eos": bool(self.ignore_eos),
             **control_kwargs(self, max_tokens),
+            **structured_kwargs(self, chat=isinstance(self, ChatCompletionRequest)),
         }
 
 
@@ -343,10 +338,10 @@ class ContentPart(Strict):
 
 
 class ChatMessage(Strict):
-    """One message of a conversation (OpenAI's fields; tool calls are not supported yet)."""
+    """One message of a conversation (OpenAI's fields: an assistant's ``tool_calls``, a tool's
+    ``tool_call_id``; ``name`` is given to the template)."""
 
-    NOT_YET = {"name": (None,), "tool_calls": (None, []), "tool_call_id": (None,), "function_call": (None,),
-               "audio": (None,), "refusal": (None,)}
+    NOT_YET = {"function_call": (None,), "audio": (None,), "refusal": (None,)}
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
@@ -356,6 +351,17 @@ class ChatMessage(Strict):
     function_call: Any = None
     audio: Any = None
     refusal: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message for the gRPC request (OpenAI's names; ``developer`` is ``system``)."""
+        message: dict[str, Any] = {"role": ROLE_ALIASES.get(self.role, self.role), "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        if self.tool_call_id:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name:
+            message["name"] = self.name
+        return message
 
     def text(self) -> str:
         """The content as one string (text parts concatenated)."""
@@ -369,17 +375,18 @@ ROLE_ALIASES = {"developer": "system"}
 
 
 class ChatCompletionRequest(GenerationRequest):
-    """``POST /v1/chat/completions``: a conversation (system, user and assistant messages,
-    the last one from the user), rendered by the orchestrator with the target's chat
-    template (``GenerateRequest.messages``). Tool and function messages are refused.
+    """``POST /v1/chat/completions``: a conversation (system, user, assistant and tool messages,
+    the last one a user's or a tool's, or an assistant's to continue), rendered by the
+    orchestrator with the target's chat template (``GenerateRequest.messages``), with ``tools``
+    (:mod:`orchestrator.http.structured`). The deprecated ``functions`` and ``function`` messages
+    are refused.
     """
 
-    NOT_YET = {**SHARED_NOT_YET, "best_of": (None, 1), "echo": (None, False), "tools": (None, []),
-               "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    NOT_YET = {**SHARED_NOT_YET, "best_of": (None, 1), "echo": (None, False),
+               "functions": (None, []), "function_call": (None, "none"),
                "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
                "reasoning_effort": (None,), "verbosity": (None,), "web_search_options": (None,),
                "service_tier": (None, "auto", "default"), "store": (None, False),
-               "add_generation_prompt": (None, True), "continue_final_message": (None, False),
                "add_special_tokens": (None, False), "documents": (None,), "chat_template": (None,),
                "chat_template_kwargs": (None, {}), "include_reasoning": (None, True)}
 
@@ -387,14 +394,17 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     # No effect on the output, by definition: accepted with any value.
     metadata: dict[str, str] | None = None  # tags of a stored completion (nothing is stored)
-    parallel_tool_calls: bool | None = None  # no tools (refused), so no tool calls at all
+    # Applied: tools (orchestrator.http.structured), continuing the last assistant message (vLLM's).
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool | None = None  # false only with continue_final_message
+    continue_final_message: bool | None = None
     prompt_cache_key: str | None = None  # OpenAI's cache routing hint
     safety_identifier: str | None = None  # an end-user id, like `user`
     logprobs: bool | None = None  # the generated tokens' logprobs, with top_logprobs alternatives each
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # Not supported yet (NOT_YET): only their neutral value is accepted.
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
     audio: Any = None
@@ -405,8 +415,6 @@ class ChatCompletionRequest(GenerationRequest):
     web_search_options: Any = None
     service_tier: str | None = None
     store: bool | None = None
-    add_generation_prompt: bool | None = None
-    continue_final_message: bool | None = None
     add_special_tokens: bool | None = None
     documents: Any = None
     chat_template: str | None = None
@@ -419,13 +427,28 @@ class ChatCompletionRequest(GenerationRequest):
         if not messages:
             raise _refuse("messages is empty")
         for index, message in enumerate(messages):
-            if message.role in ("tool", "function"):
-                raise _refuse(f"messages[{index}]: role {message.role!r} is not supported yet (no tool calling)")
-        if messages[-1].role != "user":
-            raise _refuse(f"the last message must have role 'user', got {messages[-1].role!r}")
-        if not any(message.text() for message in messages):
+            if message.role == "function":
+                raise _refuse(f"messages[{index}]: role 'function' is not supported (use tool messages)")
+        if not any(message.text() or message.tool_calls for message in messages):
             raise _refuse("every message is empty")
         return messages
+
+    def check_turn(self) -> None:
+        """The conversation ends where the model answers: a user's or a tool's message, or an
+        assistant's to continue (a 400 naming the field)."""
+        last = self.messages[-1].role
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise invalid("continue_final_message and add_generation_prompt cannot both be true (as in vLLM)",
+                              "continue_final_message")
+            if last != "assistant":
+                raise invalid(f"continue_final_message needs an assistant message last, got {last!r}", "messages")
+        elif self.add_generation_prompt is False:
+            raise invalid("add_generation_prompt: false is supported only with continue_final_message: true",
+                          "add_generation_prompt")
+        elif last not in ("user", "tool"):
+            raise invalid(f"the last message must have role 'user' or 'tool' (or 'assistant' with "
+                          f"continue_final_message), got {last!r}", "messages")
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:
@@ -447,8 +470,10 @@ class ChatCompletionRequest(GenerationRequest):
 
     def generate_kwargs(self, max_tokens: int) -> list[dict[str, Any]]:
         """The keyword arguments of :func:`~orchestrator.client.build_request` (one conversation)."""
-        messages = [(ROLE_ALIASES.get(message.role, message.role), message.text()) for message in self.messages]
-        return [{"messages": messages, **self.sampling_kwargs(max_tokens)}]
+        self.check_turn()
+        messages = [message.as_dict() for message in self.messages]
+        return [{"messages": messages, "continue_final_message": bool(self.continue_final_message),
+                 **self.sampling_kwargs(max_tokens)}]
 
 
 #: Fields of the nested request objects, which a ``param`` path goes through.
