@@ -44,7 +44,7 @@ import torch
 
 from disco.engines.lean_decoder import LeanDecoder
 from disco.engines.static_kv import PreallocatedCache
-from disco.engines.varlen_attention import KEY_GRANULE, AttentionPlan, additive_bias, as_items, from_items, item_mask
+from disco.engines.varlen_attention import KEY_GRANULE, AttentionPlan, attend_items, item_masks
 from disco.errors import InvalidRequest
 
 #: Batch sizes a step is padded to (CUDA graphs are captured per size).
@@ -147,7 +147,6 @@ class StaticStep:
         self.slots = torch.arange(bucket.sessions, dtype=torch.long, device=device)  # [sessions]: each row's slot
         self.lengths = torch.zeros(bucket.sessions, dtype=torch.long, device=device)  # [sessions]: its slot's length
         self._offsets = torch.arange(bucket.block, device=device)  # [block]
-        self._key_slots = torch.arange(caches.capacity, device=device)  # [capacity]
 
     @torch.inference_mode()
     def forward(self, rows: Sequence[SlotRows]) -> list[torch.Tensor]:
@@ -203,34 +202,25 @@ class StaticStep:
     def _layout(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The one call's mask ``[sessions, kv_heads * block * group, 1, capacity]`` (query t of a
         row sees its slot's keys up to its own position) and, for the memory-efficient kernel, its bias."""
-        lean, bucket = self.lean, self.bucket
-        group = lean.heads // lean.kv_heads
-        mask = item_mask(self._key_slots <= positions[:, :, None], lean.kv_heads, group)  # from [sessions, block, capacity]
-        dtype = self.plan.compute_dtype or self.caches.keys[0].dtype
-        return mask, additive_bias(mask, dtype) if self.plan.memory_efficient else None
+        lean, plan = self.lean, self.plan
+        bias_dtype = (plan.compute_dtype or self.caches.keys[0].dtype) if plan.memory_efficient else None
+        return item_masks(positions, self.caches.capacity, lean.kv_heads, lean.heads // lean.kv_heads, bias_dtype)
 
     def _attend(self, module: torch.nn.Module, query: torch.Tensor,  # [1, heads, rows, dim]
                 key: torch.Tensor, value: torch.Tensor,  # [1, kv_heads, rows, dim]
                 positions: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Store the step's keys and values at their positions in the rows' slots, then one call
         over each row's slot gathered from the caches."""
-        lean, bucket, plan = self.lean, self.bucket, self.plan
-        sessions, block, kv_heads, dim = bucket.sessions, bucket.block, lean.kv_heads, lean.head_dim
-        group = lean.heads // kv_heads
+        sessions, block, kv_heads, dim = self.bucket.sessions, self.bucket.block, self.lean.kv_heads, self.lean.head_dim
         layer = module.layer_idx
         slot_keys, slot_values = self.caches.keys[layer], self.caches.values[layer]
         slot_of_row = self.slots[:, None].expand(-1, block)  # [sessions, block]
         # [1, kv_heads, rows, dim] -> [sessions, block, kv_heads, dim], written at [slot, :, position]
         slot_keys[slot_of_row, :, positions] = key[0].transpose(0, 1).reshape(sessions, block, kv_heads, dim)
         slot_values[slot_of_row, :, positions] = value[0].transpose(0, 1).reshape(sessions, block, kv_heads, dim)
-        dtype = plan.compute_dtype or query.dtype
-        items = as_items(query[0], kv_heads, sessions).to(dtype)  # a row's queries ride in the head dimension
+        dtype = self.plan.compute_dtype or query.dtype
         # [sessions, kv_heads, capacity, dim]: each row's slot (the rows' slots are distinct)
         keys = slot_keys.index_select(0, self.slots).to(dtype)
         values = slot_values.index_select(0, self.slots).to(dtype)
-        if not plan.kernel_gqa and block * group > 1:
-            keys = keys.repeat_interleave(block * group, dim=1)
-            values = values.repeat_interleave(block * group, dim=1)
-        output = plan.attend(items, keys, values, mask, module.scaling,
-                             plan.kernel_gqa and block * group > 1, bias)  # [sessions, call_heads, 1, dim]
-        return from_items(output, kv_heads, block).transpose(0, 1).unsqueeze(0).to(query.dtype)  # [1, rows, heads, dim]
+        output = attend_items(query[0], keys, values, mask, bias, module.scaling, self.plan)  # [heads, rows, dim]
+        return output.transpose(0, 1).unsqueeze(0).to(query.dtype)  # [1, rows, heads, dim]

@@ -194,10 +194,8 @@ def query_layout(session_keys: Sequence[int], session_queries: Sequence[int], kv
     query_slots = torch.arange(max_queries)  # [max_queries]
     real = query_slots < queries[:, None]  # [sessions, max_queries]
     query_gather = torch.where(real, query_offsets[:, None] + query_slots, int(queries.sum()))
-    visible = (keys - queries)[:, None] + 1 + query_slots  # [sessions, max_queries]: keys each query sees
-    visible = torch.where(real, visible, 1)
-    mask = item_mask(slots < visible[:, :, None], kv_heads, group).to(device)  # from [sessions, max_queries, padded]
-    bias = additive_bias(mask, bias_dtype) if bias_dtype is not None else None
+    positions = torch.where(real, (keys - queries)[:, None] + query_slots, 0)  # [sessions, max_queries]
+    mask, bias = item_masks(positions.to(device), padded, kv_heads, group, bias_dtype)
     return QueryLayout(key_gather.reshape(-1).to(device), query_gather.reshape(-1).to(device),
                        real.reshape(-1).nonzero().squeeze(1).to(device), mask, padded, max_queries, bias)
 
@@ -212,27 +210,61 @@ def one_call_attention(queries: torch.Tensor,  # [1, heads, num_queries, head_di
     model's attention output)."""
     heads, head_dim = queries.shape[1], queries.shape[3]
     kv_heads = session_keys[0].shape[1]
-    group = heads // kv_heads
-    sessions, slots = layout.num_sessions, layout.max_queries
+    sessions = layout.num_sessions
     dtype = plan.compute_dtype or queries.dtype
-    call_heads = kv_heads * slots * group
 
-    def gathered(states: Sequence[torch.Tensor]) -> torch.Tensor:  # [sessions, kv_heads or call_heads, padded, dim]
+    def gathered(states: Sequence[torch.Tensor]) -> torch.Tensor:  # [sessions, kv_heads, padded, dim]
         zero = states[0].new_zeros(1, kv_heads, 1, head_dim)
         flat = torch.cat([*states, zero], dim=2)[0]  # [kv_heads, total + 1, head_dim]
         # Gathered and cast while contiguous; the kernel takes the transposed view as it is.
         picked = flat.index_select(1, layout.key_gather).to(dtype)  # [kv_heads, sessions * padded, head_dim]
-        picked = picked.view(kv_heads, sessions, layout.padded_keys, head_dim).transpose(0, 1)
-        if not plan.kernel_gqa and call_heads != kv_heads:
-            picked = picked.repeat_interleave(slots * group, dim=1)
-        return picked
+        return picked.view(kv_heads, sessions, layout.padded_keys, head_dim).transpose(0, 1)
 
     rows = torch.cat([queries[0], queries.new_zeros(heads, 1, head_dim)], dim=1)  # [heads, queries + 1, dim]
-    items = as_items(rows.index_select(1, layout.query_gather), kv_heads, sessions).to(dtype)
-    output = plan.attend(items, gathered(session_keys), gathered(session_values), layout.mask, scaling,
-                         plan.kernel_gqa and call_heads != kv_heads, layout.bias)  # [sessions, call_heads, 1, head_dim]
-    output = from_items(output, kv_heads, slots).index_select(1, layout.query_rows)  # [heads, num_queries, dim]
+    output = attend_items(rows.index_select(1, layout.query_gather), gathered(session_keys),
+                          gathered(session_values), layout.mask, layout.bias, scaling, plan)
+    output = output.index_select(1, layout.query_rows)  # [heads, num_queries, dim]
     return output.transpose(0, 1).unsqueeze(0).to(queries.dtype)  # [1, num_queries, heads, head_dim]
+
+
+def attend_items(rows: torch.Tensor,  # [heads, sessions * slots, head_dim]: session-major, kv-head-major heads
+                 keys: torch.Tensor, values: torch.Tensor,  # [sessions, kv_heads, keys, head_dim], the plan's dtype
+                 mask: torch.Tensor,  # [sessions, kv_heads * slots * group, 1, keys] (:func:`item_masks`)
+                 bias: torch.Tensor | None, scale: float, plan: AttentionPlan
+                 ) -> torch.Tensor:  # [heads, sessions * slots, head_dim] in the plan's dtype
+    """The one attention call both one-call paths make (the packed forward's queries that ask for
+    logits, :func:`one_call_attention`; the static step over its slots,
+    :class:`disco.engines.static_step.StaticStep`): the query slots as items (:func:`as_items`)
+    cast to the plan's dtype, the keys repeated per query head where the kernel takes no GQA,
+    one :meth:`AttentionPlan.attend`, the items undone (:func:`from_items`)."""
+    sessions, kv_heads = keys.shape[0], keys.shape[1]
+    slots = rows.shape[1] // sessions
+    items = as_items(rows, kv_heads, sessions).to(plan.compute_dtype or rows.dtype)
+    repeats = items.shape[1] // kv_heads  # query heads per key head in the call: slots x group
+    if not plan.kernel_gqa and repeats > 1:
+        keys = keys.repeat_interleave(repeats, dim=1)
+        values = values.repeat_interleave(repeats, dim=1)
+    output = plan.attend(items, keys, values, mask, scale, plan.kernel_gqa and repeats > 1, bias)
+    return from_items(output, kv_heads, slots)
+
+
+def visible_keys(positions: torch.Tensor,  # [sessions, slots]: each query's position (a padding query: 0)
+                 keys: int) -> torch.Tensor:  # [sessions, slots, keys], bool
+    """The one rule of which keys a query sees: its session's keys up to its own position, what
+    a one-token decoding step at that position attends (so a verified block gives decoding's
+    bits); a padding query sees key 0 only (no row is empty). Padded keys past a session's
+    length are masked: they add exact zeros."""
+    return torch.arange(keys, device=positions.device) <= positions[:, :, None]
+
+
+def item_masks(positions: torch.Tensor,  # [sessions, slots]: each query's position (a padding query: 0)
+               keys: int, kv_heads: int, group: int, bias_dtype: torch.dtype | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The one call's mask ``[sessions, kv_heads * slots * group, 1, keys]`` (:func:`visible_keys`
+    laid out as :func:`as_items` lays out the queries) and, with ``bias_dtype`` (the
+    memory-efficient kernel's plans), its additive bias: built once per forward, read by every layer."""
+    mask = item_mask(visible_keys(positions, keys), kv_heads, group)
+    return mask, additive_bias(mask, bias_dtype) if bias_dtype is not None else None
 
 
 def item_mask(visible: torch.Tensor,  # [sessions, slots, keys], bool: True where query slot attends key
