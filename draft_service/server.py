@@ -56,7 +56,7 @@ def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0, limits
     engine = DraftEngine(loaded.model, policy_factory, limits, overlap=overlap, grammar=grammar_compiler(loaded))
     metrics = ServerMetrics("draft", loaded.name)
     metrics.track_batches(lambda: engine.batcher.batch_sizes, engine.batcher.packed,
-                          engine.batcher.verdict.detail)
+                          engine.batcher.describe())
     metrics.track_live_costs(engine.batcher.live_costs.seconds_by_rows)
     metrics.describe_security(statement)
     servicer = DraftServicer(engine, loaded, limits, max_prompt_tokens, metrics, forward_s, statement)

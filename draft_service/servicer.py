@@ -18,6 +18,7 @@ import grpc
 from disco.engines.draft import DraftEngine
 from disco.engines.packing_proof import exactness_for
 from disco.engines.sessions import SessionLimits
+from disco.engines.static_proof import serving_exactness
 from disco.interfaces import DraftEvent, DraftSummary
 from disco.models.loading import LoadedModel
 from draft_service.run_ahead import run_ahead
@@ -44,7 +45,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.metrics = metrics or ServerMetrics("draft", loaded.name)
         self.metrics.track_sessions(engine.active_sessions, limits.max_sessions)
         # Proven when the engine's batcher started (kept on the model): stated in Info and /metrics.
-        self.exactness = exactness_for(loaded.model)
+        self.exactness = serving_exactness(exactness_for(loaded.model), engine.static)
         self.metrics.describe_exactness(self.exactness.proven, self.exactness.statement)
         self.metrics.track_overlap()
         # Draft streams draft on these threads, ahead of the gRPC thread sending each token.
@@ -94,6 +95,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return convert.service_info_pb("draft", self.loaded, self.engine.max_context,
                                        self.engine.active_sessions(), self.limits, time.perf_counter_ns(),
                                        self.forward_s, overlap=self.engine.overlap,
-                                       batching=self.engine.batcher.verdict.detail,
+                                       batching=self.engine.batcher.describe(),
                                        live_forward_s=self.engine.batcher.live_costs.seconds_by_rows(),
                                        exactness=self.exactness.statement, security=self.security)

@@ -16,6 +16,7 @@ import grpc
 
 from disco.engines.packing_proof import exactness_for
 from disco.engines.sessions import SessionLimits
+from disco.engines.static_proof import serving_exactness
 from disco.engines.target import TargetEngine
 from disco.models.loading import LoadedModel
 from protos import convert
@@ -41,7 +42,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.metrics = metrics or ServerMetrics("target", loaded.name)
         self.metrics.track_sessions(engine.active_sessions, limits.max_sessions)
         # Proven when the engine's batcher started (kept on the model): stated in Info and /metrics.
-        self.exactness = exactness_for(loaded.model)
+        self.exactness = serving_exactness(exactness_for(loaded.model), engine.static)
         self.metrics.describe_exactness(self.exactness.proven, self.exactness.statement)
         self.device = next(loaded.model.parameters()).device
 
@@ -75,6 +76,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def Info(self, request: common_pb2.ServiceInfoRequest, context: grpc.ServicerContext) -> common_pb2.ServiceInfo:
         return convert.service_info_pb("target", self.loaded, self.engine.max_context,
                                        self.engine.active_sessions(), self.limits, time.perf_counter_ns(),
-                                       self.forward_s, batching=self.engine.batcher.verdict.detail,
+                                       self.forward_s, batching=self.engine.batcher.describe(),
                                        live_forward_s=self.engine.batcher.live_costs.seconds_by_rows(),
                                        exactness=self.exactness.statement, security=self.security)

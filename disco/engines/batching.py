@@ -94,6 +94,13 @@ class ForwardBatcher:
         self.batch_sizes: list[int] = []  # observability: size of every batch run (bounded)
         self.live_costs = LiveCosts()  # seconds of the decoding/verification forwards run, by rows
 
+    def describe(self) -> str:
+        """How concurrent sessions' forwards run (``Info.batching``, ``/metrics``): the packing
+        verdict and, where the engine has one, the static path's line (on and proven, or off and why)."""
+        if self.static is None:
+            return self.verdict.detail
+        return f"{self.verdict.detail}; {self.static.describe()}"
+
     def prefill(self, sequence: CachedSequence) -> None:
         """:meth:`CachedSequence.prefill`, batched with concurrent prefills and forwards."""
         if len(sequence.tokens) - 1 > sequence.cache_len:

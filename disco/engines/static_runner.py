@@ -16,7 +16,9 @@ The batcher (:mod:`disco.engines.batching`) hands a batch to the runner when eve
 it is such a step (:meth:`StaticRunner.can_run`); anything else (a prefill, hidden states
 asked for, a session without a slot) takes the packed forward as before. The static step
 batches rows as a packed forward does, so it runs only where the packing verdict allows
-batching (:meth:`StaticRunner.gate`, by the batcher); else no session gets a slot. It runs only
+batching (:meth:`StaticRunner.gate`, by the batcher), and only after its own start-up proof
+through the steps that serve (graphs included) gave the packed path's bits
+(:mod:`disco.engines.static_proof`); else no session gets a slot. It runs only
 the model's current lean decoder: an eager runner rebuilds its steps over a new one, a graphed
 runner turns itself off (its graphs replay the old one; capturing again would overwrite live
 sessions' slots).
@@ -39,6 +41,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from disco.engines.static_kv import PreallocatedCache, PreallocatedLayer
+from disco.engines.static_proof import prove_static
 from disco.engines.static_step import BLOCK_BUCKETS, SESSION_BUCKETS, Bucket, SlotRows, StaticCaches, StaticStep, bucket_for
 from disco.engines.varlen_attention import AttentionPlan
 from disco.errors import ResourceExhausted
@@ -101,23 +104,37 @@ class StaticRunner:
         self.graphed = False
         self.verdict = None  # the batcher's PackingVerdict (gate); no slot is handed out before it allows
         self.refused: str | None = _UNGATED  # why the path is off; None: on
+        self.proof = None  # the start-up proof's StaticProof (gate)
 
     def describe(self) -> str:
+        """One line for the log, ``Info.batching`` and ``/metrics``: how the path runs, whether it
+        is on (and proven) or off and why, its slots."""
         how = "CUDA graphs" if self.graphed else "eager"
-        state = f"off: {self.refused}; " if self.refused not in (None, _UNGATED) else ""
+        if self.refused not in (None, _UNGATED):
+            state = f"off: {self.refused}; "
+        else:
+            state = f"{self.proof.detail}; " if self.proof is not None else ""
         return (f"static path ({how}): {state}{self.caches.slots} slots of {self.caches.capacity} positions, "
                 f"{self.caches.nbytes / 2**20:.0f} MiB of caches")
 
     def gate(self, verdict) -> None:
         """Take the engine's :class:`~disco.engines.packing_proof.PackingVerdict` (the batcher's):
         the static step batches rows (and pads them) as a packed forward does, so it runs only
-        where that verdict allows batching; else no session takes a slot."""
+        where that verdict allows batching; then it proves itself as it serves
+        (:func:`~disco.engines.static_proof.prove_static`, through the graphs where captured) and
+        stays off where that fails. Else no session takes a slot."""
         self.verdict = verdict
-        if verdict.packed:
-            self.refused = None
-        else:
+        if not verdict.packed:
             self.refused = f"batching is not proven exact here ({verdict.detail})"
             logger.warning("%s", self.describe())
+            return
+        self.refused = None  # the proof takes slots
+        self.proof = prove_static(self)
+        if not self.proof.batching_exact:
+            self.refused = f"its start-up proof failed: {self.proof.detail}"
+            logger.warning("%s", self.describe())
+        else:
+            logger.info("%s", self.describe())
 
     @property
     def _free(self) -> list[int]:
