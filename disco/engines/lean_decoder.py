@@ -40,6 +40,7 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from disco.engines.decoder_shape import DecoderShape
 from disco.models import q4q8
 from disco.models.int4 import Int4Linear
 from disco.models.weight_only import dense_spans_active
@@ -180,10 +181,8 @@ class LeanDecoder:
         self.model = model
         decoder = model.get_decoder()
         self.decoder = decoder
-        config = model.config
-        self.heads = int(config.num_attention_heads)
-        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
-        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
+        self.shape = DecoderShape.of(model)
+        self.heads, self.kv_heads, self.head_dim = self.shape.heads, self.shape.kv_heads, self.shape.head_dim
         self.layers: list[_Layer] = []
         for layer in decoder.layers:
             attention, mlp = layer.self_attn, layer.mlp

@@ -55,6 +55,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, create_caus
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from disco.engines import lean_decoder
+from disco.engines.decoder_shape import DecoderShape
 from disco.engines.static_kv import PreallocatedCache
 from disco.engines.varlen_attention import AttentionPlan, QueryLayout, attention_plan, one_call_attention, query_layout
 from disco.models.weight_only import DENSE_MIN_ROWS, dense_prefill
@@ -211,11 +212,10 @@ def _packed_inputs(model: torch.nn.Module, sessions: Sequence[SessionRows], plan
                  if span.one_query_at_a_time and span.end > span.start]
     layout = None
     if plan.one_call and one_query:
-        config = model.config.get_text_config(decoder=True)
-        kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        shape = DecoderShape.of(model)
         layout = query_layout([rows.cache_len + len(rows.tokens) for rows, _ in one_query],
-                              [len(rows.tokens) for rows, _ in one_query], kv_heads,
-                              int(config.num_attention_heads) // kv_heads, plan.key_granule, device,
+                              [len(rows.tokens) for rows, _ in one_query], shape.kv_heads,
+                              shape.group, plan.key_granule, device,
                               bias_dtype=(plan.compute_dtype or dtype) if plan.memory_efficient else None)
     return ids, torch.cat(position_ids, dim=1), PackedCache(spans, plan, layout)
 

@@ -58,6 +58,7 @@ import torch
 
 from disco.config import DEFAULT_MAX_LOOKAHEAD
 from disco.engines import device_clock
+from disco.engines.decoder_shape import DecoderShape
 from disco.engines.kv import CachedSequence
 from disco.engines.packed_forward import describe_forward, supports_packing
 from disco.engines.varlen_attention import KEY_GRANULE
@@ -290,16 +291,14 @@ class SyntheticSession:
 
     def build(self, model: torch.nn.Module) -> CachedSequence:
         """A fresh :class:`CachedSequence` in this state (same seed, same bits every time)."""
-        config = model.config.get_text_config(decoder=True)
-        kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        shape = DecoderShape.of(model)
         weight = model.get_input_embeddings().weight
         tokens = [0] * self.cache_len + list(self.block) + ([0] if self.num_logits == 0 else [])
         sequence = CachedSequence(model, tokens, capacity=len(tokens) + 1)
         if self.cache_len:
             generator = torch.Generator(device=weight.device).manual_seed(self.seed)  # drawn where they live
             for layer in sequence.cache.layers:
-                keys, values = (torch.randn(1, kv_heads, self.cache_len, head_dim, generator=generator,
+                keys, values = (torch.randn(1, shape.kv_heads, self.cache_len, shape.head_dim, generator=generator,
                                             device=weight.device).to(weight.dtype) for _ in range(2))
                 layer.update(keys, values)
             sequence.cache_len = self.cache_len

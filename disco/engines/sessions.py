@@ -32,6 +32,7 @@ from typing import Generic, Iterator, TypeVar
 
 import torch
 
+from disco.engines.decoder_shape import DecoderShape
 from disco.errors import InvalidRequest, ResourceExhausted, SessionNotFound
 
 SessionT = TypeVar("SessionT")
@@ -69,13 +70,9 @@ def kv_bytes_per_token(model: torch.nn.Module) -> int:
     element size``. The cache holds the attention's keys/values in the dtype of the
     model's activations, which is the input embedding's dtype (a quantized model computes
     in its dense dtype)."""
-    config = model.config
-    config = getattr(config, "get_text_config", lambda: config)()
-    heads = int(config.num_attention_heads)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    shape = DecoderShape.of(model)
     element = model.get_input_embeddings().weight.element_size()
-    return 2 * int(config.num_hidden_layers) * kv_heads * head_dim * element
+    return 2 * shape.layers * shape.kv_heads * shape.head_dim * element
 
 
 def derive_kv_budget(max_kv_bytes: int, device: torch.device | str) -> tuple[int, str]:

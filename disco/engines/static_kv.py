@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from disco.engines.decoder_shape import DecoderShape
+
 #: Capacities are multiples of this many positions.
 CAPACITY_STEP = 64
 
@@ -121,5 +123,4 @@ class PreallocatedCache(Cache):
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, capacity: int = CAPACITY_STEP) -> "PreallocatedCache":
-        config = model.config.get_text_config(decoder=True)
-        return cls(int(config.num_hidden_layers), capacity)
+        return cls(DecoderShape.of(model).layers, capacity)

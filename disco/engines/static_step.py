@@ -42,6 +42,7 @@ from typing import Sequence
 
 import torch
 
+from disco.engines.decoder_shape import DecoderShape
 from disco.engines.lean_decoder import LeanDecoder
 from disco.engines.static_kv import PreallocatedCache
 from disco.engines.varlen_attention import KEY_GRANULE, AttentionPlan, attend_items, item_masks
@@ -87,17 +88,14 @@ class StaticCaches:
     """
 
     def __init__(self, model: torch.nn.Module, slots: int, capacity: int) -> None:
-        config = model.config.get_text_config(decoder=True)
-        heads = int(config.num_attention_heads)
-        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        decoder = DecoderShape.of(model)
         embedding = model.get_input_embeddings().weight
         self.capacity = -(-capacity // KEY_GRANULE) * KEY_GRANULE
         slots = next((size for size in SESSION_BUCKETS if size >= slots), slots)  # every bucket up to it fits
-        shape = (slots, kv_heads, self.capacity, head_dim)
-        layers = int(config.num_hidden_layers)
-        self.keys = [torch.zeros(shape, dtype=embedding.dtype, device=embedding.device) for _ in range(layers)]
-        self.values = [torch.zeros(shape, dtype=embedding.dtype, device=embedding.device) for _ in range(layers)]
+        shape = (slots, decoder.kv_heads, self.capacity, decoder.head_dim)
+        self.keys = [torch.zeros(shape, dtype=embedding.dtype, device=embedding.device) for _ in range(decoder.layers)]
+        self.values = [torch.zeros(shape, dtype=embedding.dtype, device=embedding.device)
+                       for _ in range(decoder.layers)]
         self.lengths = [0] * slots  # positions each slot's cache holds (the host's truth)
 
     @property
