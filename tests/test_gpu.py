@@ -232,7 +232,7 @@ def test_the_lean_decoder_runs_on_cuda_with_the_hf_forward_s_bits(target_model, 
 def test_static_step_graphs_replay_the_eager_step_s_bits_on_cuda(target_model):
     """Issue 40: the static step of a bucket, captured as a CUDA graph, gives the eager step's
     logits bit for bit, and both give the packed forward's under the CUDA one-call plan."""
-    from disco.engines.cuda_graphs import capture_buckets
+    from disco.engines.step_runner import capture_buckets
     from disco.engines.packed_forward import SessionRows, lean_decoder_for, packed_forward, supports_packing
     from disco.engines.static_kv import PreallocatedCache
     from disco.engines.static_step import Bucket, SlotRows, StaticCaches, StaticStep

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from disco.config import SamplingParams
-from disco.engines import batching, cuda_graphs, packing_proof
+from disco.engines import batching, packing_proof, step_runner
 from disco.engines.batching import ForwardBatcher
 from disco.engines.kv import CachedSequence
 from disco.engines.packed_forward import SessionRows, lean_decoder_for, packed_forward
@@ -66,7 +66,7 @@ def prefilled(model: torch.nn.Module, prompts: list[list[int]], slots: list[int]
 
 class ReplayedOnCpu:
     """A CUDA graph's contract on a CPU: every replay runs the step again into the one static
-    logits buffer (``logits``) that the graph owns, as :class:`cuda_graphs.GraphedStep` replays."""
+    logits buffer (``logits``) that the graph owns, as :class:`step_runner.GraphedStep` replays."""
 
     def __init__(self, step: StaticStep, logits: torch.Tensor) -> None:
         self.step, self.logits = step, logits
@@ -83,7 +83,7 @@ def test_a_replay_does_not_change_the_logits_an_earlier_replay_handed_out():
     step = StaticStep(lean_decoder_for(model), caches, Bucket(2, 2), ONE_CALL_CPU)
     first_rows, second_rows = [SlotRows(0, [3, 4]), SlotRows(1, [5])], [SlotRows(0, [9, 8]), SlotRows(1, [6, 2])]
     expected = [logits.clone() for logits in step.forward(first_rows)]  # eager, the lengths not advanced
-    graphed = cuda_graphs.GraphedStep.__new__(cuda_graphs.GraphedStep)  # its replay path, with a CPU graph
+    graphed = step_runner.GraphedStep.__new__(step_runner.GraphedStep)  # its replay path, with a CPU graph
     graphed.step = step
     graphed.logits = step.compute().clone()  # [sessions, block, vocab]: the graph's static output
     graphed.graph = ReplayedOnCpu(step, graphed.logits)
@@ -273,7 +273,7 @@ def test_a_slot_freed_by_a_garbage_collection_under_the_runner_s_lock_does_not_d
 # 6. Largest first, one pool, one output buffer.
 
 class RecordedGraph:
-    """:class:`cuda_graphs.GraphedStep` on a CPU: records its capture (order, output buffer,
+    """:class:`step_runner.GraphedStep` on a CPU: records its capture (order, output buffer,
     pool) and replays by running the step into its view of the output buffer."""
 
     captured: list = []
@@ -281,22 +281,22 @@ class RecordedGraph:
     def __init__(self, step: StaticStep, output: torch.Tensor | None = None, pool=None) -> None:
         RecordedGraph.captured.append((step.bucket, output, pool))
         self.step = step
-        self.logits = cuda_graphs.logits_into(step, output)
+        self.logits = step_runner.logits_into(step, output)
 
     def forward(self, rows: list[SlotRows]) -> list[torch.Tensor]:
         self.step.fill(rows)
-        cuda_graphs.logits_into(self.step, self.logits.view(-1, self.logits.shape[-1]))
+        step_runner.logits_into(self.step, self.logits.view(-1, self.logits.shape[-1]))
         return self.step.read(self.logits, rows)
 
 
 def test_graphs_are_captured_largest_first_into_one_output_buffer(monkeypatch, bf16_model):
     model = bf16_model
-    monkeypatch.setattr(cuda_graphs, "GraphedStep", RecordedGraph)
+    monkeypatch.setattr(step_runner, "GraphedStep", RecordedGraph)
     monkeypatch.setattr(RecordedGraph, "captured", [])
     lean = lean_decoder_for(model)
     caches = StaticCaches(model, 4, 128)
     buckets = [Bucket(1, 1), Bucket(4, 8), Bucket(2, 4), Bucket(2, 1)]
-    graphed, report = cuda_graphs.capture_buckets([StaticStep(lean, caches, bucket, ONE_CALL_CPU)
+    graphed, report = step_runner.capture_buckets([StaticStep(lean, caches, bucket, ONE_CALL_CPU)
                                                    for bucket in buckets])  # before any slot holds a session
     packed, _ = prefilled(model, PROMPTS[:2], slots=[0, 1])
     for slot, (cache, prompt) in enumerate(zip(packed, PROMPTS[:2])):
@@ -328,7 +328,7 @@ def test_cuda_graphs_share_one_pool_and_output_and_report_the_reserved_memory():
 
     caches = StaticCaches(model, 4, 128)
     buckets = [Bucket(1, 1), Bucket(2, 4), Bucket(4, 8)]
-    graphed, report = cuda_graphs.capture_buckets([StaticStep(lean, caches, b, ONE_CALL_CUDA) for b in buckets])
+    graphed, report = step_runner.capture_buckets([StaticStep(lean, caches, b, ONE_CALL_CUDA) for b in buckets])
     assert report.graphs == 3 and report.memory_bytes > 0
     pointers = {graph.logits.untyped_storage().data_ptr() for graph in graphed.values()}
     assert len(pointers) == 1

@@ -138,7 +138,7 @@ def test_buckets_round_up_and_refuse_what_does_not_fit(model):
 
 
 def test_graph_capture_is_refused_for_a_cpu_step(model):
-    from disco.engines.cuda_graphs import GraphedStep, capture_buckets
+    from disco.engines.step_runner import GraphedStep, capture_buckets
 
     sessions = Sessions(model, PROMPTS[:1], slots=[0], capacity=64)
     step = StaticStep(lean_decoder_for(model), sessions.static, Bucket(1, 1), ONE_CALL_CPU)

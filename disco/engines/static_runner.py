@@ -1,16 +1,16 @@
-"""Sessions on the static path: slots, and batches of steps run as buckets (issue 40, item 2).
+"""Sessions on the static path: the slots (issue 40 item 2; issue 49 item 3).
 
-A :class:`StaticRunner` owns one model's :class:`~disco.engines.static_step.StaticCaches`.
-A session that takes a slot (:meth:`StaticRunner.acquire`) gets, as its
-:class:`~disco.engines.kv.CachedSequence`'s cache, a :class:`SlotCache`: a
-:class:`~disco.engines.static_kv.PreallocatedCache` whose buffers are *views of its slot*. So
-the packed forward (prefills, batches with a prefill in them) and the static step write the
-same storage, and a session may take either path from one forward to the next: both attend
-in the one-call plan, in which they give the same bits (``tests/test_static_step.py``). The
-runner runs a batch of decoding/verification steps of slotted sessions as the smallest bucket
-that holds them (:meth:`StaticRunner.run`; a bucket counts sessions, whatever their slots):
-eagerly, or by replaying the bucket's CUDA graph (:meth:`StaticRunner.capture`, at service start,
-after the model's row plans are settled).
+A :class:`StaticRunner` hands out the slots of one model's
+:class:`~disco.engines.static_step.StaticCaches`. A session that takes a slot
+(:meth:`StaticRunner.acquire`) gets, as its :class:`~disco.engines.kv.CachedSequence`'s cache, a
+:class:`SlotCache`: a :class:`~disco.engines.static_kv.PreallocatedCache` whose buffers are *views
+of its slot*. So the packed forward (prefills, batches with a prefill in them) and the static step
+write the same storage, and a session may take either path from one forward to the next: both
+attend in the one-call plan, in which they give the same bits (``tests/test_static_step.py``). A
+batch of decoding/verification steps of slotted sessions (:meth:`StaticRunner.run`) goes to the
+steps' runner (:class:`~disco.engines.step_runner.StepRunner`: the smallest bucket holding them,
+eager or a replayed CUDA graph, captured at service start after the model's row plans are settled),
+and the runner advances the sessions' caches.
 
 The batcher (:mod:`disco.engines.batching`) hands a batch to the runner when every request in
 it is such a step (:meth:`StaticRunner.can_run`); anything else (a prefill, hidden states
@@ -42,7 +42,8 @@ import torch
 
 from disco.engines.static_kv import PreallocatedCache, PreallocatedLayer
 from disco.engines.static_proof import prove_static
-from disco.engines.static_step import BLOCK_BUCKETS, SESSION_BUCKETS, Bucket, SlotRows, StaticCaches, StaticStep, bucket_for
+from disco.engines.static_step import BLOCK_BUCKETS, SESSION_BUCKETS, Bucket, SlotRows, StaticCaches
+from disco.engines.step_runner import StepRunner
 from disco.engines.varlen_attention import AttentionPlan
 from disco.errors import ResourceExhausted
 
@@ -96,15 +97,23 @@ class StaticRunner:
     def __init__(self, lean, slots: int, capacity: int, plan: AttentionPlan) -> None:
         self.lean, self.plan = lean, plan
         self.caches = StaticCaches(lean.model, min(slots, SESSION_BUCKETS[-1]), capacity)
-        self.steps: dict[Bucket, object] = {}  # StaticStep or GraphedStep, by bucket
+        self.steps = StepRunner(lean, self.caches, plan)  # the buckets' steps, eager or graphed
         self._free_heap = list(range(self.caches.slots))
         self._owners: dict[int, weakref.ref] = {}
         self._released: deque[tuple[int, weakref.ref]] = deque()  # slots whose sequences were freed, not yet back
         self._lock = threading.Lock()
-        self.graphed = False
         self.verdict = None  # the batcher's PackingVerdict (gate); no slot is handed out before it allows
         self.refused: str | None = _UNGATED  # why the path is off; None: on
         self.proof = None  # the start-up proof's StaticProof (gate)
+
+    @property
+    def graphed(self) -> bool:
+        """Whether the steps replay captured CUDA graphs."""
+        return self.steps.graphed
+
+    @graphed.setter
+    def graphed(self, value: bool) -> None:
+        self.steps.graphed = value
 
     def describe(self) -> str:
         """One line for the log, ``Info.batching`` and ``/metrics``: how the path runs, whether it
@@ -205,7 +214,8 @@ class StaticRunner:
                             else "the model has no lean decoder any more")
             logger.warning("%s", self.describe())
             return False
-        self.lean, self.steps = lean, {}
+        self.lean = lean
+        self.steps.rebuilt(lean)
         return True
 
     def can_run(self, sequences: Sequence["CachedSequence"], num_logits: Sequence[int],
@@ -231,11 +241,7 @@ class StaticRunner:
                 sequence = owner()
                 self.caches.lengths[slot] = sequence.cache_len if sequence is not None else 0
         rows = [SlotRows(sequence.cache.slot, sequence.tokens[sequence.cache_len:]) for sequence in sequences]
-        bucket = bucket_for(len(rows), max(len(row.tokens) for row in rows))  # sessions, not slot numbers
-        step = self.steps.get(bucket)
-        if step is None:
-            step = self.steps[bucket] = StaticStep(self.lean, self.caches, bucket, self.plan)
-        logits = step.forward(rows)
+        logits = self.steps.run(rows)  # the smallest bucket by sessions, not slot numbers
         results = []
         for sequence, row, count, slot_logits in zip(sequences, rows, num_logits, logits):
             sequence.cache_len += len(row.tokens)
@@ -245,21 +251,13 @@ class StaticRunner:
 
     def capture(self, buckets: Sequence[Bucket] | None = None) -> str:
         """Capture the CUDA graphs of ``buckets`` (default: every bucket the slots allow; largest
-        first, into one pool, see :func:`~disco.engines.cuda_graphs.capture_buckets`), before any
+        first, into one pool, :meth:`~disco.engines.step_runner.StepRunner.capture`), before any
         session holds a slot and after the model's row plans are settled; returns the report's line."""
-        from disco.engines.cuda_graphs import capture_buckets  # noqa: PLC0415 - CUDA only
-
         if self._owners:
             raise RuntimeError("CUDA graphs are captured before any session holds a slot")
         if not self.lean.is_current():
             raise RuntimeError("the lean decoder is not the model's current one: capture after the row plans")
-        buckets = buckets or [Bucket(sessions, block) for sessions in SESSION_BUCKETS if sessions <= self.caches.slots
-                              for block in BLOCK_BUCKETS]
-        graphed, report = capture_buckets(StaticStep(self.lean, self.caches, bucket, self.plan) for bucket in buckets)
-        self.steps.update(graphed)
-        self.caches.lengths = [0] * self.caches.slots
-        self.graphed = True
-        return report.describe()
+        return self.steps.capture(buckets).describe()
 
 
 def static_runner_for(model: torch.nn.Module, slots: int, capacity: int, role: str) -> StaticRunner | None:

@@ -125,25 +125,51 @@ class SlotRows:
     tokens: Sequence[int]
 
 
+class StepInputs:
+    """The static step's input buffers, allocated once at the largest bucket: a bucket's step reads
+    views of their first entries (a CUDA graph captures those addresses), so every bucket shares
+    them (one step runs at a time on a model).
+
+    Attributes:
+        tokens: ``[sessions * block]``: a bucket's ``[sessions, block]`` tokens are its first rows.
+        slots: ``[sessions]``: each row's slot.
+        lengths: ``[sessions]``: the positions its slot holds before the step.
+    """
+
+    def __init__(self, largest: "Bucket", device: torch.device) -> None:
+        self.largest = largest
+        self.tokens = torch.zeros(largest.rows, dtype=torch.long, device=device)
+        self.slots = torch.arange(largest.sessions, dtype=torch.long, device=device)
+        self.lengths = torch.zeros(largest.sessions, dtype=torch.long, device=device)
+
+    def fits(self, bucket: "Bucket") -> bool:
+        return bucket.sessions <= self.largest.sessions and bucket.rows <= self.largest.rows
+
+
 class StaticStep:
-    """The fixed-shape forward of one bucket over :class:`StaticCaches`: its inputs live in
-    buffers of their own (``tokens``, ``slots``, ``lengths``), :meth:`compute` reads only those
-    (what a CUDA graph captures), :meth:`forward` fills them and returns each session's logits.
+    """The fixed-shape forward of one bucket over :class:`StaticCaches`: its inputs are views of
+    :class:`StepInputs` (``tokens``, ``slots``, ``lengths``; default: buffers of its own),
+    :meth:`compute` reads only those (what a CUDA graph captures), :meth:`forward` fills them and
+    returns each session's logits.
 
     ``plan``: how the one attention call runs (:data:`~disco.engines.varlen_attention.ONE_CALL_CPU`
     on a CPU, :data:`~disco.engines.varlen_attention.ONE_CALL_CUDA` on CUDA); must be a one-call plan.
     """
 
-    def __init__(self, lean: LeanDecoder, caches: StaticCaches, bucket: Bucket, plan: AttentionPlan) -> None:
+    def __init__(self, lean: LeanDecoder, caches: StaticCaches, bucket: Bucket, plan: AttentionPlan,
+                 inputs: StepInputs | None = None) -> None:
         if not plan.one_call:
             raise InvalidRequest("the static step attends in one call per layer: a one-call plan is needed")
         if bucket.sessions > caches.slots:
             raise InvalidRequest(f"a bucket of {bucket.sessions} sessions over {caches.slots} slots")
         self.lean, self.caches, self.bucket, self.plan = lean, caches, bucket, plan
         device = caches.keys[0].device
-        self.tokens = torch.zeros(bucket.sessions, bucket.block, dtype=torch.long, device=device)
-        self.slots = torch.arange(bucket.sessions, dtype=torch.long, device=device)  # [sessions]: each row's slot
-        self.lengths = torch.zeros(bucket.sessions, dtype=torch.long, device=device)  # [sessions]: its slot's length
+        inputs = inputs or StepInputs(bucket, device)
+        if not inputs.fits(bucket):
+            raise InvalidRequest(f"the bucket {bucket} does not fit inputs allocated for {inputs.largest}")
+        self.tokens = inputs.tokens[: bucket.rows].view(bucket.sessions, bucket.block)  # [sessions, block]
+        self.slots = inputs.slots[: bucket.sessions]  # [sessions]: each row's slot
+        self.lengths = inputs.lengths[: bucket.sessions]  # [sessions]: its slot's length
         self._offsets = torch.arange(bucket.block, device=device)  # [block]
 
     @torch.inference_mode()

@@ -76,7 +76,7 @@ def main() -> None:
         steps = {bucket: StaticStep(lean, caches, bucket, plan) for bucket in buckets}
         graphed, report = {}, None
         if device.type == "cuda":
-            from disco.engines.cuda_graphs import capture_buckets  # noqa: PLC0415
+            from disco.engines.step_runner import capture_buckets  # noqa: PLC0415
 
             graphed, report = capture_buckets(steps.values())  # before the slots hold anything
             print(f"{role}: {report.describe()}")

@@ -1,6 +1,13 @@
-"""CUDA graphs of the static step (issue 40, item 2): each bucket's fixed-shape forward
-captured once, replayed per step, so a step costs one graph launch instead of ~15 kernel
-launches per layer.
+"""The static path's steps, one per bucket, run eagerly or as CUDA graphs: the graph runner
+(SGLang's ``cuda_graph_runner.py`` as the model; issue 40 item 2, issue 49 item 3).
+
+:class:`StepRunner` owns, for one model's :class:`~disco.engines.static_step.StaticCaches`, the
+input buffers (:class:`~disco.engines.static_step.StepInputs`, allocated once at the largest
+bucket) and a :class:`~disco.engines.static_step.StaticStep` per bucket, built on first use, or,
+after :meth:`StepRunner.capture`, a :class:`GraphedStep` per bucket. :meth:`StepRunner.run` picks
+the smallest bucket holding the rows (a bucket counts sessions, whatever their slots), fills the
+inputs, runs or replays, and hands out copies of the logits. Slots are not its business:
+:mod:`disco.engines.static_runner` hands them out.
 
 :class:`GraphedStep` captures :meth:`disco.engines.static_step.StaticStep.compute` (inputs
 read from the step's buffers, caches written in place, logits copied into the one output
@@ -34,7 +41,9 @@ from typing import Iterable, Sequence
 
 import torch
 
-from disco.engines.static_step import Bucket, SlotRows, StaticStep
+from disco.engines.static_step import (BLOCK_BUCKETS, SESSION_BUCKETS, Bucket, SlotRows, StaticCaches, StaticStep,
+                                       StepInputs, bucket_for)
+from disco.engines.varlen_attention import AttentionPlan
 
 logger = logging.getLogger(__name__)
 
@@ -147,3 +156,64 @@ def capture_buckets(steps: Iterable[StaticStep], progress: bool = True) -> tuple
     report = CaptureReport(len(graphed), time.perf_counter() - started, _reserved(device) - before)
     logger.info("%s", report.describe())
     return graphed, report
+
+
+class StepRunner:
+    """The steps of one model's static path, by bucket (module doc).
+
+    Args:
+        lean: the model's lean decoder (:meth:`rebuilt` over a new one).
+        caches: the slots' keys and values.
+        plan: the one-call attention plan the steps attend with.
+    """
+
+    def __init__(self, lean, caches: StaticCaches, plan: AttentionPlan) -> None:
+        self.lean, self.caches, self.plan = lean, caches, plan
+        self.buckets = [Bucket(sessions, block) for sessions in SESSION_BUCKETS if sessions <= caches.slots
+                        for block in BLOCK_BUCKETS]
+        self.inputs = StepInputs(max(self.buckets, key=lambda bucket: bucket.rows), caches.keys[0].device)
+        self._steps: dict[Bucket, StaticStep | GraphedStep] = {}
+        self.graphed = False
+
+    def __iter__(self):
+        """The buckets whose steps were built (or captured)."""
+        return iter(self._steps)
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def clear(self) -> None:
+        """Forget the built eager steps (they are rebuilt on use); not the captured graphs."""
+        if self.graphed:
+            raise RuntimeError("captured graphs are kept: they replay into live sessions' slots")
+        self._steps.clear()
+
+    def rebuilt(self, lean) -> None:
+        """Steps over another lean decoder (eager only: graphs replay the decoder they captured)."""
+        if self.graphed:
+            raise RuntimeError("captured graphs replay the decoder they captured")
+        self.lean, self._steps = lean, {}
+
+    def step(self, bucket: Bucket) -> StaticStep | GraphedStep:
+        step = self._steps.get(bucket)
+        if step is None:
+            step = self._steps[bucket] = StaticStep(self.lean, self.caches, bucket, self.plan, self.inputs)
+        return step
+
+    def run(self, rows: Sequence[SlotRows]) -> list[torch.Tensor]:
+        """The rows as one step of the smallest bucket holding them (sessions, not slot numbers);
+        per row its logits ``[len(tokens), vocab]`` (float32 copies). The caches' lengths are
+        the caller's to advance."""
+        bucket = bucket_for(len(rows), max(len(row.tokens) for row in rows))
+        return self.step(bucket).forward(rows)
+
+    def capture(self, buckets: Sequence[Bucket] | None = None) -> CaptureReport:
+        """Capture the CUDA graphs of ``buckets`` (default: every bucket the slots allow) largest
+        first into one pool and one output buffer (:func:`capture_buckets`); the caller makes sure
+        no session holds a slot and the lean decoder is current."""
+        steps = [StaticStep(self.lean, self.caches, bucket, self.plan, self.inputs) for bucket in buckets or self.buckets]
+        graphed, report = capture_buckets(steps)
+        self._steps.update(graphed)
+        self.caches.lengths = [0] * self.caches.slots
+        self.graphed = True
+        return report
