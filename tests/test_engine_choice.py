@@ -14,18 +14,38 @@ import torch
 import disco.engines.engine_choice as engine_choice
 from disco.config import ModelConfig
 from disco.engines.engine_choice import CPU_CANDIDATES, choose_engine, typical_request_s
-from disco.engines.engine_costs import EngineCosts, costs_path, read_cached, request_for
+from disco.engines.engine_costs import EngineCosts, cached_kernel, costs_path, read_cached, request_for
+from disco.models import q4q8
 from disco.models.loading import model_fingerprint
+
+#: The int4 kernel the records below were timed on (the machine's cached choice, see ``chosen_kernel``).
+KERNEL = q4q8.TORCH_KERNEL
+
+
+@pytest.fixture
+def chosen_kernel(monkeypatch):
+    """This machine's int4 kernel choice, as if cached: :data:`KERNEL` (whatever the CPU)."""
+    monkeypatch.setattr(q4q8, "cached_choice", lambda home: q4q8.KernelChoice(KERNEL, "chosen in a test"))
+
+
+def _padded(forward_ms: list[float]) -> list[float]:
+    """A target's table over the sizes the choice reads (1..the lookahead cap + 1), extended
+    linearly from its last two points."""
+    sizes = request_for("target").max_new_tokens
+    slope = forward_ms[-1] - forward_ms[-2] if len(forward_ms) > 1 else 0.0
+    return [*forward_ms, *(forward_ms[-1] + slope * i for i in range(1, sizes - len(forward_ms) + 1))]
 
 
 def _write_costs(home, fingerprint: str, engine: str, forward_ms: list[float], prefill_ms: float,
                  provisional: bool = False) -> EngineCosts:
-    costs = EngineCosts(model="tiny", fingerprint=fingerprint, engine=engine, device="cpu",
+    forward_ms = _padded(forward_ms) if len(forward_ms) > 1 else forward_ms
+    costs = EngineCosts(model="tiny", fingerprint=fingerprint, engine=engine, device="cpu", forward="lean",
                         threads=torch.get_num_threads(), context_tokens=request_for("target").context_tokens,
                         forward_s=tuple(ms / 1000 for ms in forward_ms), prefill_s=prefill_ms / 1000, repeats=5,
                         torch_version=torch.__version__, measured_at=time.time(), load_average=4.0 if provisional
-                        else 0.0, provisional=provisional)
-    path = costs_path(home, fingerprint, engine, "cpu", torch.get_num_threads())
+                        else 0.0, provisional=provisional, kernel=KERNEL if engine == "int4" else None)
+    path = costs_path(home, fingerprint, engine, "cpu", torch.get_num_threads(), forward=costs.forward,
+                      kernel=costs.kernel)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(costs.to_json()))
     return costs
@@ -53,18 +73,19 @@ AMX_LIKE = {"bfloat16": ([190] * 9, 450), "int4": ([55, 70, 85, 100, 115, 130, 1
     ({"bfloat16": ([600] * 9, 40_000), "int4": ([90] * 9, 9_000), "int8": ([80] * 9, 8_000)}, "int8"),
 ])
 def test_the_target_engine_with_the_fastest_typical_request_wins(tmp_path, tiny_pair_dirs, no_loading,
-                                                                  costs, expected):
+                                                                  chosen_kernel, costs, expected):
     fingerprint = _fingerprint(tiny_pair_dirs["target"], tmp_path)
     for engine, (forward_ms, prefill_ms) in costs.items():
         _write_costs(tmp_path, fingerprint, engine, forward_ms, prefill_ms)
     assert choose_engine("auto", str(tiny_pair_dirs["target"]), "target", "cpu", tmp_path) == expected
-    timed = {engine: typical_request_s(read_cached(tmp_path, fingerprint, engine, "cpu", torch.get_num_threads()),
+    timed = {engine: typical_request_s(read_cached(tmp_path, fingerprint, engine, "cpu", torch.get_num_threads(),
+                                                   forward="lean", kernel=KERNEL if engine == "int4" else None),
                                        "target") for engine in costs}
     assert min(timed, key=timed.get) == expected
 
 
 def test_the_draft_is_timed_per_token_and_explicit_or_cuda_engines_need_no_measurement(tmp_path, tiny_pair_dirs,
-                                                                                          no_loading):
+                                                                                          no_loading, chosen_kernel):
     fingerprint = _fingerprint(tiny_pair_dirs["draft"], tmp_path)
     _write_costs(tmp_path, fingerprint, "int4", [40], 2000)
     _write_costs(tmp_path, fingerprint, "int8", [30], 2500)  # 64 tokens: 1.92 + 2.5 s beats 2.56 + 2 s
@@ -79,7 +100,8 @@ def test_a_candidate_not_measured_yet_is_loaded_timed_and_cached_once(tmp_path, 
     assert chosen in CPU_CANDIDATES["draft"]
     fingerprint = _fingerprint(tiny_pair_dirs["draft"], tmp_path)
     for engine in CPU_CANDIDATES["draft"]:  # each timed through the engines' own forward path and cached
-        cached = read_cached(tmp_path, fingerprint, engine, "cpu", torch.get_num_threads(), request_for("draft"))
+        cached = read_cached(tmp_path, fingerprint, engine, "cpu", torch.get_num_threads(), request_for("draft"),
+                             forward=None, kernel=cached_kernel(tmp_path, engine, "cpu"))
         assert cached is not None and cached.engine == engine and cached.per_token_s > 0
 
     def refuse(*args, **kwargs):
@@ -88,7 +110,7 @@ def test_a_candidate_not_measured_yet_is_loaded_timed_and_cached_once(tmp_path, 
     assert choose_engine("auto", spec, "draft", "cpu", tmp_path) == chosen  # the second start only reads
 
 
-def test_the_cli_resolves_auto_once_at_the_entry_point(tiny_pair_dirs, monkeypatch, tmp_path):
+def test_the_cli_resolves_auto_once_at_the_entry_point(tiny_pair_dirs, monkeypatch, tmp_path, chosen_kernel):
     from disco_cli.commands.common import pair_config_from_args
     from disco_cli.main import build_parser
 
@@ -113,7 +135,8 @@ def test_the_cli_resolves_auto_once_at_the_entry_point(tiny_pair_dirs, monkeypat
     assert cuda.target.dtype == "bfloat16"
 
 
-def test_a_timing_taken_on_a_busy_machine_is_measured_again_once_quiet(tmp_path, tiny_pair_dirs, monkeypatch):
+def test_a_timing_taken_on_a_busy_machine_is_measured_again_once_quiet(tmp_path, tiny_pair_dirs, monkeypatch,
+                                                                        chosen_kernel):
     """A candidate timed while other processes shared the cores (provisional) must not decide
     the engine for good: at a start on a quiet machine it is measured again."""
     import disco.engines.engine_costs as engine_costs

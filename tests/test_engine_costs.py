@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -24,16 +25,17 @@ def _measure(model, home, request=SMALL, **kwargs) -> EngineCosts:
 
 
 def test_measurement_on_a_tiny_model_is_sane(target_model):
-    forward_s, prefill_s, spread = measure_forward_costs(target_model, SMALL, progress=False)
-    assert len(forward_s) == 4
-    assert all(math.isfinite(v) and v > 0 for v in (*forward_s, prefill_s)) and spread >= 1.0
+    costs = measure_forward_costs(target_model, SMALL, progress=False)
+    assert len(costs.forward_s) == 4 and costs.forward in engine_costs.FORWARDS and costs.kernel is None
+    assert all(math.isfinite(v) and v > 0 for v in (*costs.forward_s, costs.prefill_s)) and costs.spread >= 1.0
 
 
 def test_costs_are_cached_per_model_engine_device_and_threads(target_model, tmp_path, monkeypatch):
     first = _measure(target_model, tmp_path)
     assert first.max_new_tokens == 4 and first.context_tokens == 24 and first.threads == torch.get_num_threads()
     assert first.per_token_s == first.forward_s[0] and first.engine == "float32"
-    path = engine_costs.costs_path(tmp_path, "tinyfp", "float32", "cpu", torch.get_num_threads())
+    path = engine_costs.costs_path(tmp_path, "tinyfp", "float32", "cpu", torch.get_num_threads(),
+                                   forward=first.forward)
     assert EngineCosts.from_json(json.loads(path.read_text())) == first
 
     calls = []
@@ -78,10 +80,13 @@ def test_bad_requests_are_refused(request_, message, target_model, tmp_path):
 
 
 def test_json_round_trip_extrapolation_and_cost_model():
-    costs = EngineCosts(model="m", fingerprint="f", engine="int8", device="cpu", threads=2, context_tokens=200,
-                        forward_s=(0.2, 0.25, 0.3), prefill_s=3.0, repeats=5, torch_version="x", measured_at=1.0)
+    costs = EngineCosts(model="m", fingerprint="f", engine="int8", device="cpu", forward="lean", threads=2,
+                        context_tokens=200, forward_s=(0.2, 0.25, 0.3), prefill_s=3.0, repeats=5, torch_version="x",
+                        measured_at=1.0)
     assert EngineCosts.from_json(json.loads(json.dumps(costs.to_json()))) == costs
-    assert costs.forward(2) == 0.25 and costs.forward(5) == pytest.approx(0.4)
+    int4 = replace(costs, engine="int4", kernel="q4q8-vnni")
+    assert EngineCosts.from_json(json.loads(json.dumps(int4.to_json()))) == int4
+    assert costs.forward_seconds(2) == 0.25 and costs.forward_seconds(5) == pytest.approx(0.4)
     with pytest.raises(InvalidRequest, match="malformed"):
         EngineCosts.from_json({**costs.to_json(), "forward_s": []})
     with pytest.raises(InvalidRequest, match="malformed"):
@@ -132,11 +137,9 @@ def test_a_measurement_taken_under_load_is_replaced_when_the_machine_is_quiet(ta
     import os
 
     cores = os.cpu_count() or 1
-    real = engine_costs.measure_forward_costs
     # The real timings' spread is this machine's business (a busy CI machine makes it large):
     # recorded as steady here, so only the injected load average decides.
-    monkeypatch.setattr(engine_costs, "measure_forward_costs",
-                        lambda *args, **kwargs: real(*args, **kwargs)._replace(spread=1.0))
+    _spread_repeats(monkeypatch, 1.0)
     monkeypatch.setattr(engine_costs, "_load_average", lambda: float(cores) * 2)
     loaded = _measure(target_model, tmp_path)
     assert loaded.load_average == cores * 2
@@ -157,18 +160,28 @@ def test_a_busy_machine_cannot_set_the_costs():
     assert max(repeats) / min(repeats) >= engine_costs.CONTENDED_SPREAD
 
 
+def _spread_repeats(monkeypatch, spread: float) -> None:
+    """The real harness's timings, with each size's repeats made ``[fastest, fastest * spread, ...]``."""
+    real = engine_costs.time_forwards
+
+    def spread_out(*args, **kwargs):
+        samples, prefill_s = real(*args, **kwargs)
+        return {k: [min(seconds) * (spread if i else 1.0) for i in range(len(seconds))]
+                for k, seconds in samples.items()}, prefill_s
+    monkeypatch.setattr(engine_costs, "time_forwards", spread_out)
+
+
 def test_a_measurement_with_spread_repeats_is_provisional_and_measured_again_when_quiet(target_model, tmp_path,
                                                                                          monkeypatch):
-    real = engine_costs.measure_forward_costs
+    real = engine_costs.time_forwards
     monkeypatch.setattr(engine_costs, "_load_average", lambda: 0.1)
-    monkeypatch.setattr(engine_costs, "measure_forward_costs",
-                        lambda *args, **kwargs: real(*args, **kwargs)._replace(spread=3.0))
+    _spread_repeats(monkeypatch, 3.0)
     contended = _measure(target_model, tmp_path)
     assert contended.provisional and contended.spread == 3.0
     cached = EngineCosts.from_json(json.loads(engine_costs.costs_path(
-        tmp_path, "tinyfp", "float32", "cpu", torch.get_num_threads()).read_text()))
+        tmp_path, "tinyfp", "float32", "cpu", torch.get_num_threads(), forward=contended.forward).read_text()))
     assert cached == contended and cached.provisional
-    monkeypatch.setattr(engine_costs, "measure_forward_costs", real)
+    monkeypatch.setattr(engine_costs, "time_forwards", real)
     steady = _measure(target_model, tmp_path)  # quiet now: measured again
     assert steady.measured_at > contended.measured_at
     assert steady.provisional == (steady.spread >= engine_costs.CONTENDED_SPREAD)

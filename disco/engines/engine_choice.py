@@ -4,9 +4,12 @@ CPU kernels differ several-fold between machines (bf16 verification nearly free 
 int4 one-row GEMMs 4x a bf16 one on a Zen 4, bf16 emulated on AVX2: docs/engines.md), so
 no rule on CPU flags picks well everywhere (issue 28). At the first start on a machine each
 candidate engine of the role is loaded and its forward costs measured
-(:func:`disco.engines.engine_costs.load_or_measure`, cached per model, engine, device and
-thread count, so later starts only read files); the engine whose *typical request*
-(:func:`typical_request_s`) is fastest wins.
+(:func:`disco.engines.engine_costs.load_or_measure`, cached per model, engine, int4 kernel,
+forward, device and thread count, so later starts only read files); the engine whose
+*typical request* (:func:`typical_request_s`) is fastest wins. Reading those records loads
+nothing and times nothing: with no model at hand, a record's int4 kernel is the one already
+chosen on this machine (:func:`disco.engines.engine_costs.cached_kernel`) and its forward the
+newest timed (the service that loads the chosen engine reads its own forward's record).
 
 Candidates are the engines that meet the quality bar (docs/engines.md, "quality"): the
 target's greedy tokens agree with the bf16 reference on at least 95% of teacher-forced
@@ -24,7 +27,8 @@ from pathlib import Path
 import torch
 
 from disco.config import ModelConfig
-from disco.engines.engine_costs import EngineCosts, load_or_measure, read_cached, request_for, worth_remeasuring
+from disco.engines.engine_costs import (EngineCosts, cached_kernel, load_or_measure, read_cached, request_for,
+                                        worth_remeasuring)
 from disco.models.loading import load_model, model_fingerprint
 from disco.platform import resolve_dtype
 
@@ -45,9 +49,9 @@ def typical_request_s(costs: EngineCosts, role: str) -> float:
     new tokens per token generated (each forward yields about one token more than it is
     given when verifying; decoding yields one), for the draft one forward per token."""
     if role == "draft":
-        per_token = costs.forward(1)
+        per_token = costs.forward_seconds(1)
     else:
-        per_token = sum(costs.forward(k) for k in range(1, TYPICAL_BLOCK + 1)) / TYPICAL_BLOCK
+        per_token = sum(costs.forward_seconds(k) for k in range(1, TYPICAL_BLOCK + 1)) / TYPICAL_BLOCK
     return costs.prefill_s + TYPICAL_NEW_TOKENS * per_token
 
 
@@ -65,8 +69,9 @@ def choose_engine(requested: str, spec: str | None, role: str, device: str, home
     fingerprint = model_fingerprint(ModelConfig(spec=spec, dtype=CPU_CANDIDATES[role][0], device=device), role, home)
     timed: dict[str, float] = {}
     for engine in CPU_CANDIDATES[role]:
-        costs = None if fingerprint is None else read_cached(home, fingerprint, engine, device, threads,
-                                                             request_for(role))
+        costs = None if fingerprint is None else read_cached(
+            home, fingerprint, engine, device, threads, request_for(role), forward=None,
+            kernel=cached_kernel(home, engine, device))
         if costs is None or worth_remeasuring(costs):  # a busy start's timing is measured again when quiet
             costs = _measure(spec, role, engine, device, home, progress)
         timed[engine] = typical_request_s(costs, role)

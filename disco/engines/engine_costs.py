@@ -2,10 +2,18 @@
 
 For speculative decoding two numbers decide everything: the draft's cost per token and
 the target's cost of one forward over k new tokens (a verification block of k - 1 draft
-tokens plus the bonus position), for k = 1..L with L = max lookahead + 1. They depend on
-the model, the engine (dtype), the device and the thread count, so they are measured
-once per such combination, after a ~200-token context (the KV cache a real request has),
-and cached as JSON under ``<home>/engine_costs/``.
+tokens plus the bonus position), for k = 1..L with L = the lookahead cap + 1
+(:data:`disco.config.DEFAULT_MAX_LOOKAHEAD`). They depend on the model, the engine (dtype),
+the int4 kernel, the forward that runs it (the lean decoder, the packed HF forward or the
+plain HF one), the device and the thread count, so they are measured once per such
+combination, after a ~200-token context (the KV cache a real request has), and cached as
+JSON under ``<home>/engine_costs/``.
+
+One record and one way to a cost model: :func:`measure_forward_costs` is the only place
+timings become numbers, an :class:`EngineCosts` record (what :func:`load_or_measure` caches,
+``disco doctor`` reports and :func:`measure_cost_model` uses), and :func:`to_cost_model` the
+only way records become a :class:`~disco.speculation.cost_model.CostModel`. Reading a record
+(:func:`read_cached`) only reads files: it never builds, loads or times a kernel.
 
 Timings go through the engines' own forward path (:class:`disco.engines.kv.CachedSequence`):
 prefill the context once, then for each k append k tokens, forward them, and roll the
@@ -22,33 +30,40 @@ token for a 25 ms draft, and ``auto`` then stopped speculating). A file lock kee
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
 import statistics
 import time
-from contextlib import contextmanager
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Iterator, NamedTuple, Sequence
+from typing import Sequence
 
 import torch
 from tqdm import tqdm
 
+from disco.config import DEFAULT_MAX_LOOKAHEAD
 from disco.engines import device_clock
+from disco.engines.machine_lock import machine_lock
 from disco.errors import InvalidRequest
 from disco.models import q4q8
+from disco.models.int4 import Int4Linear
 from disco.speculation.cost_model import CostModel
 
 logger = logging.getLogger(__name__)
 
 COSTS_DIR = "engine_costs"
-FORMAT_VERSION = 1
+#: 2: records say which forward (and int4 kernel) was timed, and cover the lookahead cap.
+FORMAT_VERSION = 2
 DEFAULT_CONTEXT_TOKENS = 200
 DEFAULT_REPEATS = 5
-#: Target forwards measured by default: 1..9 new tokens (max lookahead 8).
-DEFAULT_TARGET_TOKENS = 9
+#: Target forwards measured by default: 1..L new tokens, L = the lookahead cap + 1 (a block
+#: of the most draft tokens a request may ask for, plus the bonus position): no block the
+#: engines verify is priced by extrapolation.
+DEFAULT_TARGET_TOKENS = DEFAULT_MAX_LOOKAHEAD + 1
+#: The forwards the engines run a model on (:func:`forward_of`).
+FORWARDS = ("lean", "packed-hf", "hf")
 #: The draft's per-token cost is a one-token forward.
 DEFAULT_DRAFT_TOKENS = 1
 #: The percentile of a size's repeats that is kept: a low one, since another process on the
@@ -94,8 +109,10 @@ class EngineCosts:
     Attributes:
         model: display name of the model.
         fingerprint: its weights' fingerprint (part of the cache key).
-        engine: ``"float32"``, ``"bfloat16"``, ``"float16"`` or ``"int8"``.
+        engine: ``"float32"``, ``"bfloat16"``, ``"float16"``, ``"int8"`` or ``"int4"``.
         device: ``"cpu"`` or ``"cuda[:N]"``.
+        forward: the forward that was timed (:func:`forward_of`): ``"lean"``, ``"packed-hf"``
+            or ``"hf"`` (part of the cache key: costs of one are never read for another).
         threads: torch CPU threads during the measurement.
         context_tokens: tokens in the KV cache before each timed forward.
         forward_s: ``forward_s[k - 1]``: seconds of one forward over ``k`` new tokens.
@@ -108,12 +125,15 @@ class EngineCosts:
         spread: slowest / fastest repeat of one size, the median over sizes (1.0: steady).
         provisional: taken under contention (load average >= cores, or ``spread`` >=
             :data:`CONTENDED_SPREAD`): measured again at a later start on a quiet machine.
+        kernel: the int4 kernel the model's int4 layers ran (:func:`kernel_of`; part of the
+            cache key), ``None`` for a model without them.
     """
 
     model: str
     fingerprint: str
     engine: str
     device: str
+    forward: str
     threads: int
     context_tokens: int
     forward_s: tuple[float, ...]
@@ -124,6 +144,7 @@ class EngineCosts:
     load_average: float = 0.0
     spread: float = 1.0
     provisional: bool = False
+    kernel: str | None = None
 
     @property
     def per_token_s(self) -> float:
@@ -134,7 +155,7 @@ class EngineCosts:
     def max_new_tokens(self) -> int:
         return len(self.forward_s)
 
-    def forward(self, new_tokens: int) -> float:
+    def forward_seconds(self, new_tokens: int) -> float:
         """Seconds of one forward over ``new_tokens`` tokens, extrapolated linearly past the last point."""
         if new_tokens < 1:
             raise ValueError(f"new_tokens must be >= 1, got {new_tokens}")
@@ -160,11 +181,13 @@ class EngineCosts:
                 raise ValueError(f"format {data.get('format')!r}, expected {FORMAT_VERSION}")
             costs = EngineCosts(
                 model=str(data["model"]), fingerprint=str(data["fingerprint"]), engine=str(data["engine"]),
-                device=str(data["device"]), threads=int(data["threads"]), context_tokens=int(data["context_tokens"]),
+                device=str(data["device"]), forward=str(data["forward"]), threads=int(data["threads"]),
+                context_tokens=int(data["context_tokens"]),
                 forward_s=tuple(float(v) for v in data["forward_s"]), prefill_s=float(data["prefill_s"]),
                 repeats=int(data["repeats"]), torch_version=str(data["torch_version"]),
                 measured_at=float(data["measured_at"]), load_average=float(data.get("load_average", 0.0)),
-                spread=float(data.get("spread", 1.0)), provisional=bool(data.get("provisional", False)))
+                spread=float(data.get("spread", 1.0)), provisional=bool(data.get("provisional", False)),
+                kernel=None if data.get("kernel") is None else str(data["kernel"]))
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise InvalidRequest(f"malformed engine costs: {error}") from None
         if not costs.forward_s or any(v <= 0 for v in costs.forward_s):
@@ -172,22 +195,80 @@ class EngineCosts:
         return costs
 
 
-class ForwardTimings(NamedTuple):
-    """What :func:`measure_forward_costs` measured."""
+def measure_forward_costs(model: torch.nn.Module, request: CostRequest, progress: bool = True, label: str = "",
+                          *, name: str = "", fingerprint: str = "", engine: str = "", device: str | None = None,
+                          sizes: Sequence[int] | None = None) -> EngineCosts:
+    """The one way from timings to costs: time forwards of ``model`` over 1..``request.max_new_tokens``
+    new tokens (:func:`time_forwards`) and keep each size's :data:`LOW_PERCENTILE`-th
+    percentile of its repeats (:func:`low_percentile`), as an :class:`EngineCosts` record of
+    the forward that ran (:func:`forward_of`, :func:`kernel_of`) on the model's device.
 
-    forward_s: tuple[float, ...]  # forward_s[k - 1]: a low percentile of the forwards over k new tokens
-    prefill_s: float  # the context's prefill (one timing)
-    spread: float  # slowest / fastest repeat of one size, the median over sizes
-
-
-def measure_forward_costs(model: torch.nn.Module, request: CostRequest, progress: bool = True,
-                          label: str = "") -> ForwardTimings:
-    """Time forwards of ``model`` over 1..``request.max_new_tokens`` new tokens (each size
-    :data:`LOW_PERCENTILE`-th percentile of its repeats, see :func:`low_percentile`)."""
-    sizes = range(1, request.max_new_tokens + 1)
+    Args:
+        name, fingerprint, engine, device: the record's identity (the cache key where it is
+            cached; ``device`` defaults to the model's).
+        sizes: the sizes timed (default: all); the others are interpolated linearly between
+            them. Must hold 1 and ``request.max_new_tokens``.
+    """
+    sizes = sorted(set(sizes if sizes is not None else range(1, request.max_new_tokens + 1)))
+    if sizes[0] != 1 or sizes[-1] != request.max_new_tokens:
+        raise ValueError(f"sizes must span 1..{request.max_new_tokens}, got {sizes}")
+    forward, load_average = forward_of(model), _load_average()
     samples, prefill_s = time_forwards(model, request.context_tokens, sizes, request.repeats, progress, label)
-    return ForwardTimings(tuple(low_percentile(samples[k]) for k in sizes), prefill_s,
-                          statistics.median(max(samples[k]) / min(samples[k]) for k in sizes))
+    spread = statistics.median(max(samples[k]) / min(samples[k]) for k in sizes)
+    return EngineCosts(model=name, fingerprint=fingerprint, engine=engine,
+                       device=device or str(next(model.parameters()).device), forward=forward,
+                       threads=torch.get_num_threads(), context_tokens=request.context_tokens,
+                       forward_s=_interpolated({k: low_percentile(samples[k]) for k in sizes}),
+                       prefill_s=prefill_s, repeats=request.repeats, torch_version=torch.__version__,
+                       measured_at=time.time(), load_average=load_average, spread=round(spread, 3),
+                       provisional=load_average >= (os.cpu_count() or 1) or spread >= CONTENDED_SPREAD,
+                       kernel=kernel_of(model))
+
+
+def _interpolated(seconds: dict[int, float]) -> tuple[float, ...]:
+    """``seconds`` by size (1 and the largest among them) as a table over 1..largest, the
+    sizes missing linearly interpolated between their timed neighbours."""
+    table = []
+    for k in range(1, max(seconds) + 1):
+        if k in seconds:
+            table.append(seconds[k])
+            continue
+        lo, hi = max(j for j in seconds if j < k), min(j for j in seconds if j > k)
+        table.append(seconds[lo] + (seconds[hi] - seconds[lo]) * (k - lo) / (hi - lo))
+    return tuple(table)
+
+
+def forward_of(model: torch.nn.Module) -> str:
+    """The forward the engines run ``model`` on (what its costs are timed on): ``"lean"``, its
+    lean decoder (:func:`disco.engines.packed_forward.lean_decoder_for`); ``"packed-hf"``, the
+    HF forward packed (:func:`~disco.engines.packed_forward.supports_packing`); ``"hf"``, the
+    plain HF forward."""
+    from disco.engines.packed_forward import lean_decoder_for, supports_packing  # noqa: PLC0415 - transformers
+
+    if lean_decoder_for(model) is not None:
+        return "lean"
+    return "packed-hf" if supports_packing(model) else "hf"
+
+
+def kernel_of(model: torch.nn.Module) -> str | None:
+    """The kernel the model's int4 layers run (:attr:`disco.models.int4.Int4Linear.kernel`),
+    ``None`` for a model without them."""
+    kernels = sorted({module.kernel for module in model.modules() if isinstance(module, Int4Linear)})
+    return "+".join(kernels) if kernels else None
+
+
+def cached_kernel(home: Path, engine: str, device: str) -> str | None:
+    """The int4 kernel a model of ``engine`` would run on ``device`` here, where no model is at
+    hand (an engine choice before loading, a benchmark reading the services' records): the
+    kernel already chosen on this machine (:func:`disco.models.q4q8.cached_choice`: read, never
+    measured), torch's kernel off the CPU, ``None`` for other engines or where no choice is
+    cached yet (then no int4 record is found: nothing was timed on a chosen kernel)."""
+    if engine != "int4":
+        return None
+    if not device.startswith("cpu"):
+        return q4q8.TORCH_KERNEL
+    choice = q4q8.cached_choice(home)
+    return choice.kernel if choice is not None else None
 
 
 def low_percentile(values: Sequence[float], percent: float = LOW_PERCENTILE) -> float:
@@ -246,51 +327,53 @@ def time_forwards(model: torch.nn.Module, context_tokens: int, sizes: Sequence[i
 def measure_cost_model(target_model: torch.nn.Module, draft_model: torch.nn.Module, max_k: int = 12,
                        repeats: int = 3, rtt: float = 0.0, prompt_len: int = 128, source: str = "measured",
                        ks: Sequence[int] | None = None) -> CostModel:
-    """A :class:`~disco.speculation.cost_model.CostModel` timed on the loaded models with
-    :func:`time_forwards`: ``t_draft`` a one-token draft forward, ``t_verify(k)`` a target
-    forward over ``k + 1`` new tokens, both after ``prompt_len`` tokens of context; ``k``
-    not in ``ks`` (default: all of 0..``max_k``) interpolated linearly."""
+    """A :class:`~disco.speculation.cost_model.CostModel` timed on the loaded models (not
+    cached): both measured by :func:`measure_forward_costs` after ``prompt_len`` tokens of
+    context, the target over 1..``max(ks) + 1`` new tokens, the draft over one, and turned
+    into a cost model by :func:`to_cost_model`. ``k`` not in ``ks`` (default: all of
+    0..``max_k``) is interpolated linearly."""
     ks = sorted(set(ks if ks is not None else range(max_k + 1)) | {0})
-    draft, _ = time_forwards(draft_model, prompt_len, (1,), repeats)
-    target, _ = time_forwards(target_model, prompt_len, [k + 1 for k in ks], repeats)
-    measured = {k: statistics.median(target[k + 1]) for k in ks}
-    t_verify = []
-    for k in range(max(ks) + 1):
-        if k in measured:
-            t_verify.append(measured[k])
-        else:
-            lo = max(j for j in measured if j < k)
-            hi = min(j for j in measured if j > k)
-            t_verify.append(measured[lo] + (measured[hi] - measured[lo]) * (k - lo) / (hi - lo))
-    return CostModel.from_forward_costs((statistics.median(draft[1]),), t_verify, rtt, source,
-                                        extra={"repeats": repeats, "prompt_len": prompt_len, "timed_k": ks})
+    target = measure_forward_costs(target_model, CostRequest(ks[-1] + 1, prompt_len, repeats), progress=False,
+                                   name="target", sizes=[k + 1 for k in ks])
+    draft = measure_forward_costs(draft_model, CostRequest(1, prompt_len, repeats), progress=False, name="draft")
+    return replace(to_cost_model(target, draft, rtt), source=source,
+                   extra={"repeats": repeats, "prompt_len": prompt_len, "timed_k": ks})
 
 
-#: The engines' forward as costs were timed on it: "lean1" is the lean decoder (issue 39), whose
-#: forwards cost less than the HF decoder's the earlier cache files timed.
-FORWARD_VERSION = "lean1"
-
-
-def costs_path(home: Path, fingerprint: str, engine: str, device: str, threads: int) -> Path:
-    """The cache file of one (model, engine, device, threads) combination; the int4 engine's
-    name carries the kernel it runs here (:func:`disco.models.q4q8.choose_kernel`), so costs
-    timed on the other kernel are not read back, and every name carries the forward's
-    version (:data:`FORWARD_VERSION`), so costs timed on an older forward are not either."""
-    safe_device = device.replace(":", "")
-    if engine == "int4" and device.startswith("cpu"):
-        engine = f"{engine}-{q4q8.choose_kernel(home).kernel}"
-    return home / COSTS_DIR / f"{fingerprint}-{engine}-{safe_device}-t{threads}-{FORWARD_VERSION}.json"
+def costs_path(home: Path, fingerprint: str, engine: str, device: str, threads: int, *, forward: str,
+               kernel: str | None = None) -> Path:
+    """The cache file of one (model, engine, int4 kernel, device, threads, forward) combination:
+    costs timed on another kernel or another forward (:func:`kernel_of`, :func:`forward_of`)
+    are never read back."""
+    engine = engine if kernel is None else f"{engine}-{kernel}"
+    return home / COSTS_DIR / f"{fingerprint}-{engine}-{device.replace(':', '')}-t{threads}-{forward}.json"
 
 
 def read_cached(home: Path, fingerprint: str, engine: str, device: str, threads: int,
-                request: CostRequest | None = CostRequest()) -> EngineCosts | None:
+                request: CostRequest | None = CostRequest(), *, forward: str | None,
+                kernel: str | None = None) -> EngineCosts | None:
     """The cached costs of this combination if they cover ``request`` (``None``: whatever
-    was measured), else ``None``. Reads only."""
-    path = costs_path(home, fingerprint, engine, device, threads)
-    try:
-        costs = EngineCosts.from_json(json.loads(path.read_text()))
-    except (OSError, ValueError, InvalidRequest):
+    was measured), else ``None``. Reads files only (never builds, loads or times a kernel).
+
+    Args:
+        forward: the forward of the model as it runs now (:func:`forward_of`); ``None`` only
+            where no model is at hand (an engine choice before loading, a benchmark reading the
+            services' records): then the newest record of this combination, whatever forward
+            timed it (the process that loads the model reads its own forward's).
+        kernel: the int4 kernel the model runs (:func:`kernel_of`; without a model,
+            :func:`cached_kernel`), ``None`` for a model without int4 layers.
+    """
+    forwards = FORWARDS if forward is None else (forward,)
+    paths = [costs_path(home, fingerprint, engine, device, threads, forward=name, kernel=kernel) for name in forwards]
+    records = []
+    for path in paths:
+        try:
+            records.append(EngineCosts.from_json(json.loads(path.read_text())))
+        except (OSError, ValueError, InvalidRequest):
+            continue
+    if not records:
         return None
+    costs = max(records, key=lambda record: record.measured_at)
     if request is not None and (costs.max_new_tokens < request.max_new_tokens
                                 or costs.context_tokens != request.context_tokens):
         return None
@@ -316,31 +399,27 @@ def load_or_measure(model: torch.nn.Module, *, name: str, fingerprint: str, engi
     request = request.fitted(max_context)
     request.validate(max_context)
     threads = torch.get_num_threads()
+    forward, kernel = forward_of(model), kernel_of(model)  # the forward that serves: its costs only
     key = (home, fingerprint, engine, device, threads)
-    if not force and (cached := read_cached(*key, request)) is not None and not worth_remeasuring(cached):
+    if (not force and (cached := read_cached(*key, request, forward=forward, kernel=kernel)) is not None
+            and not worth_remeasuring(cached)):
         return cached
-    with machine_lock(home) if lock else _no_lock():
-        cached = None if force else read_cached(*key, request)  # measured meanwhile?
+    with machine_lock(home) if lock else nullcontext():
+        cached = None if force else read_cached(*key, request, forward=forward, kernel=kernel)  # measured meanwhile?
         if cached is not None and not worth_remeasuring(cached):
             return cached
-        load_average = _load_average()
-        logger.info("measuring the forward costs of %s (%s, %s, %d threads; once, cached in %s) ...",
-                    name, engine, device, threads, home / COSTS_DIR)
-        if load_average >= (os.cpu_count() or 1):  # NOTE: this process's own model load counts too
+        logger.info("measuring the forward costs of %s (%s, %s forward, %s, %d threads; once, cached in %s) ...",
+                    name, engine, forward, device, threads, home / COSTS_DIR)
+        if (load_average := _load_average()) >= (os.cpu_count() or 1):  # NOTE: this process's model load counts too
             logger.warning("the load average is %.1f: other processes share the cores, so the measured costs "
                            "may be too high (measure again with `disco models calibrate --force`)", load_average)
-        timings = measure_forward_costs(model, request, progress, label=f"{name} ({engine})")
-        provisional = load_average >= (os.cpu_count() or 1) or timings.spread >= CONTENDED_SPREAD
-        costs = EngineCosts(model=name, fingerprint=fingerprint, engine=engine, device=device, threads=threads,
-                            context_tokens=request.context_tokens, forward_s=timings.forward_s,
-                            prefill_s=timings.prefill_s, repeats=request.repeats, torch_version=torch.__version__,
-                            measured_at=time.time(), load_average=load_average, spread=round(timings.spread, 3),
-                            provisional=provisional)
-        if provisional:
+        costs = measure_forward_costs(model, request, progress, label=f"{name} ({engine})", name=name,
+                                      fingerprint=fingerprint, engine=engine, device=device)
+        if costs.provisional:
             logger.warning("the measured costs of %s are provisional (load average %.1f, repeats spread %.2fx): "
-                           "they are measured again at a start on a quiet machine", name, load_average,
-                           timings.spread)
-        path = costs_path(*key)
+                           "they are measured again at a start on a quiet machine", name, costs.load_average,
+                           costs.spread)
+        path = costs_path(*key, forward=costs.forward, kernel=costs.kernel)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(path.name + ".tmp")
@@ -353,8 +432,9 @@ def load_or_measure(model: torch.nn.Module, *, name: str, fingerprint: str, engi
 
 
 def request_for(role: str) -> CostRequest:
-    """What is measured for a role: the target's forwards over 1..9 new tokens (blocks up
-    to the default max lookahead of 8), the draft's cost per token."""
+    """What is measured for a role: the target's forwards over 1..:data:`DEFAULT_TARGET_TOKENS`
+    new tokens (every block up to the lookahead cap, plus the bonus position), the draft's
+    cost per token."""
     return CostRequest(max_new_tokens=DEFAULT_TARGET_TOKENS if role == "target" else DEFAULT_DRAFT_TOKENS)
 
 
@@ -408,38 +488,10 @@ def format_costs_table(rows: dict[str, EngineCosts]) -> str:
     return "\n".join(lines)
 
 
-@contextmanager
-def _no_lock() -> Iterator[None]:
-    yield
-
-
-@contextmanager
-def machine_lock(home: Path) -> Iterator[None]:
-    """One measurement at a time per machine (a second process waits, then reads the cache).
-
-    NOTE: the lock is machine-wide, not per model: two models measured at once on a
-    small CPU would slow each other down and cache the slowed numbers. A service holds it
-    while it loads its model too (quantizing is CPU-heavy), so a measurement never runs
-    next to another service's model load. Not reentrant within one process.
-    """
-    locks = home / "locks"
-    try:
-        locks.mkdir(parents=True, exist_ok=True)
-        handle = (locks / "engine_costs.lock").open("w")
-    except OSError:  # read-only home: measure without the lock
-        yield
-        return
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def to_cost_model(target: EngineCosts, draft: EngineCosts, rtt: float = 0.0) -> CostModel:
-    """A :class:`disco.speculation.cost_model.CostModel` from measured costs: ``t_draft`` the draft's
-    per-token cost, ``t_verify[k]`` the target forward over ``k + 1`` new tokens."""
+    """The one way from measured costs to a :class:`disco.speculation.cost_model.CostModel`:
+    ``t_draft`` the draft's per-token cost, ``t_verify[k]`` the target forward over ``k + 1``
+    new tokens (both records of :func:`measure_forward_costs`)."""
     return CostModel.from_forward_costs(draft.forward_s, target.forward_s, rtt,
                                         source=f"engine costs: {target.model} / {draft.model}, {target.engine}, "
                                                f"{target.device}, {target.threads} threads")

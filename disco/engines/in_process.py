@@ -148,7 +148,8 @@ def build_local_pipeline(pair: PairConfig, home: Path, need_draft: bool = True,
 
 
 def _measured_costs(pair: PairConfig, target: LoadedModel, draft: LoadedModel, home: Path) -> CostModel:
-    """In-process cost model: the target's forwards over 1..9 new tokens, the draft's per token."""
+    """In-process cost model: the target's forwards over every block up to the lookahead cap
+    (:func:`disco.engines.engine_costs.request_for`), the draft's per token."""
     from disco.engines import engine_costs  # noqa: PLC0415
 
     return engine_costs.to_cost_model(engine_costs.measure_loaded(target, pair.target, "target", home),

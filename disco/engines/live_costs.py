@@ -17,9 +17,14 @@ from __future__ import annotations
 
 import threading
 
-#: Row counts tracked: up to the largest packed batch of decoding/verification rows
-#: (16 sessions x a block of up to 16 draft tokens plus the bonus position).
-MAX_ROWS = 16 * 17
+from disco.config import DEFAULT_MAX_LOOKAHEAD
+from disco.engines.static_step import SESSION_BUCKETS
+
+#: Row counts tracked: up to the largest packed forward of decoding/verification rows. A
+#: forward holds at most ``SESSION_BUCKETS[-1]`` sessions (32: the static step's largest
+#: bucket; the batcher packs at most ``disco.engines.batching.DEFAULT_MAX_BATCH``, 16), each
+#: with a block of at most the lookahead cap's draft tokens plus the bonus position.
+MAX_ROWS = SESSION_BUCKETS[-1] * (DEFAULT_MAX_LOOKAHEAD + 1)
 #: How far one observation moves the average.
 WEIGHT = 0.25
 

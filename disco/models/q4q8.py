@@ -280,6 +280,24 @@ def choose_kernel(home: Path) -> KernelChoice:
     return choice
 
 
+def cached_choice(home: Path) -> KernelChoice | None:
+    """The int4 engine's kernel as :func:`choose_kernel` has chosen it on this machine, read
+    only: nothing is built, loaded or timed. ``None`` where no choice is cached yet (the next
+    :func:`choose_kernel` measures it); torch's kernel where the CPU has no build or no
+    compiler is found (:func:`choose_kernel` then keeps it without measuring)."""
+    variant = (next(v for v in VARIANTS if v.kernel == loaded_kernel()) if ops_loaded()
+               else variant_for(cpu_flags()))
+    if variant is None:
+        return KernelChoice(TORCH_KERNEL, f"int4 kernel {TORCH_KERNEL}: the CPU has no q4 x q8 build")
+    if not (kernels_dir(home, variant) / "libdisco_q4q8.so").exists() and shutil.which("g++") is None:
+        return KernelChoice(TORCH_KERNEL, f"int4 kernel {TORCH_KERNEL}: no g++ to build {variant.kernel}")
+    if (cached := _read_choice(kernels_dir(home, variant) / f"choice-t{torch.get_num_threads()}.json")) is not None:
+        return cached
+    if variant.kernel == "q4q8-amx":  # NOTE: where Linux refuses AMX tiles, load() builds the VNNI one
+        return _read_choice(kernels_dir(home, VARIANTS[1]) / f"choice-t{torch.get_num_threads()}.json")
+    return None
+
+
 def _read_choice(path: Path) -> KernelChoice | None:
     try:
         data = json.loads(path.read_text())

@@ -11,10 +11,12 @@ Draft call). ``t_verify(k)`` is one target forward over ``k + 1`` positions (the
 plus the bonus position) with a warm KV cache; it is stored per k as measured and
 extrapolated linearly from its last two points beyond.
 
-:func:`disco.engines.engine_costs.measure_cost_model` times one on the loaded engines
-(the one timing harness); ``orientation`` is the GPU-like model the DISCO issue's figures used
-(t_draft 90 ms, t_verify 225 ms for any k, 240 ms per target-only token, i.e. a 15 ms
-round trip).
+Measured ones come one way: :func:`disco.engines.engine_costs.to_cost_model` over two
+:class:`~disco.engines.engine_costs.EngineCosts` records (a low percentile of the engines'
+own forwards, cached per model, engine and forward;
+:func:`disco.engines.engine_costs.measure_cost_model` measures both on the loaded engines,
+uncached). ``orientation`` is the GPU-like model the DISCO issue's figures used (t_draft
+90 ms, t_verify 225 ms for any k, 240 ms per target-only token, i.e. a 15 ms round trip).
 """
 
 from __future__ import annotations

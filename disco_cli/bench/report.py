@@ -43,7 +43,8 @@ def engine_costs(pair, home: Path, loaded: dict | None = None, progress: bool = 
         progress: show a progress bar while measuring.
 
     Without ``loaded`` (services started by the benchmark) the costs are read from the
-    cache the services filled at startup, for this process's thread count.
+    cache the services filled at startup, for this process's thread count (the newest record,
+    whatever forward timed it; nothing is measured, not even the int4 kernel choice).
     """
     import torch  # noqa: PLC0415
 
@@ -57,8 +58,9 @@ def engine_costs(pair, home: Path, loaded: dict | None = None, progress: bool = 
             costs = costs_module.measure_loaded(model, config, role, home, progress=progress)
         else:
             fingerprint = model_fingerprint(config, role, home)
-            costs = costs_module.read_cached(home, fingerprint, config.dtype, config.device, torch.get_num_threads(),
-                                             None) if fingerprint else None
+            costs = costs_module.read_cached(
+                home, fingerprint, config.dtype, config.device, torch.get_num_threads(), None, forward=None,
+                kernel=costs_module.cached_kernel(home, config.dtype, config.device)) if fingerprint else None
         result[role] = costs.to_json() if costs is not None else None
     return result
 

@@ -8,6 +8,7 @@ import json
 import logging
 from pathlib import Path
 
+from disco.config import DEFAULT_MAX_LOOKAHEAD
 from disco.errors import InvalidRequest
 from disco.models.default_pair import default_pair_status, prepare_default_pair
 from disco.models.loading import disco_home
@@ -41,8 +42,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_common(calibrate)
     add_model_args(calibrate)
     calibrate.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    calibrate.add_argument("--max-lookahead", type=int, default=8,
-                           help="target forwards over 1..MAX_LOOKAHEAD+1 new tokens are timed (default 8)")
+    calibrate.add_argument("--max-lookahead", type=int, default=DEFAULT_MAX_LOOKAHEAD,
+                           help="target forwards over 1..MAX_LOOKAHEAD+1 new tokens are timed (default "
+                                f"{DEFAULT_MAX_LOOKAHEAD}, the lookahead cap: the services' own measurement)")
     calibrate.add_argument("--draft-tokens", type=int, default=1,
                            help="draft forwards over 1..N new tokens are timed (default 1: the per-token cost)")
     calibrate.add_argument("--context-tokens", type=int, default=200,

@@ -207,17 +207,19 @@ def _run_backend(args: argparse.Namespace) -> int:
 def _load_and_measure(config: ModelConfig, role: str, measure: bool = True):
     """Load the model, prove its packed forward (:mod:`disco.engines.packing_proof`) and, with
     ``measure``, its forward costs (cached; measured on the first start): the target's over
-    1..9 new tokens, the draft's per token (``None`` if measuring fails or not asked).
+    every block up to the lookahead cap (:func:`disco.engines.engine_costs.request_for`), the
+    draft's per token (``None`` if measuring fails or not asked).
 
     All under the machine's measurement lock, so that one service's timings never run next
     to another's model load (``disco serve`` starts both at once)."""
     from disco.engines import engine_costs  # noqa: PLC0415
     from disco.engines.batching import DEFAULT_MAX_BATCH  # noqa: PLC0415
+    from disco.engines.machine_lock import machine_lock  # noqa: PLC0415
     from disco.engines.packing_proof import verdict_for  # noqa: PLC0415
     from disco.models.loading import disco_home, load_model  # noqa: PLC0415
 
     home = disco_home()
-    with engine_costs.machine_lock(home):
+    with machine_lock(home):
         loaded = load_model(config, role, home)
         verdict_for(loaded.model, DEFAULT_MAX_BATCH)
         if not measure:
