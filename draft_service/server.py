@@ -22,7 +22,7 @@ from protos.runtime.tls import TlsFiles
 def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0, limits: SessionLimits = SessionLimits(),
           policy_factory: PolicyFactory | None = None, artifact_dirs: Sequence[str | os.PathLike] = (),
           max_prompt_tokens: int | None = None, tls: TlsFiles | None = None,
-          metrics_port: int | None = None, forward_s: Sequence[float] = (),
+          metrics_port: int | None = None, forward_s: Sequence[float] = (), prefill_s_per_token: float = 0.0,
           security: BackendSecurity = BackendSecurity(), overlap: bool = False) -> RunningServer:
     """Start serving ``loaded`` as the draft model; returns at once (the server runs in threads).
 
@@ -40,7 +40,8 @@ def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0, limits
             model's context is the only limit.
         tls: serve TLS; with ``tls.ca`` clients must present a certificate it signed (mTLS).
         metrics_port: serve Prometheus ``/metrics`` on ``host:metrics_port`` (0: a free port).
-        forward_s: the model's measured forward costs (:mod:`disco.engines.engine_costs`), reported by ``Info``.
+        forward_s: the model's measured forward costs (:mod:`disco.engines.engine_costs`), reported by ``Info``;
+            ``prefill_s_per_token`` its measured prefill per prompt token.
         security: the credentials callers must present (:class:`BackendSecurity`: the backend token,
             ``--insecure``); checked against ``host`` and ``tls`` before anything is bound.
         overlap: overlapped drafting (:mod:`disco.engines.predraft`): pre-draft each session's next block
@@ -59,7 +60,7 @@ def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0, limits
                           engine.batcher.describe())
     metrics.track_live_costs(engine.batcher.live_costs.seconds_by_rows)
     metrics.describe_security(statement)
-    servicer = DraftServicer(engine, loaded, limits, max_prompt_tokens, metrics, forward_s, statement)
+    servicer = DraftServicer(engine, loaded, limits, max_prompt_tokens, metrics, forward_s, statement, prefill_s_per_token)
     # One thread per in-flight call: every session may be drafting at once, plus Info calls.
     return start_server([(draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer, SERVICE_NAME)],
                         host, port, max_workers=limits.max_sessions + 8, tls=tls, metrics=metrics,

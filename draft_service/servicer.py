@@ -35,10 +35,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     def __init__(self, engine: DraftEngine, loaded: LoadedModel, limits: SessionLimits,
                  max_prompt_tokens: int | None = None, metrics: ServerMetrics | None = None,
-                 forward_s: Sequence[float] = (), security: str = "") -> None:
+                 forward_s: Sequence[float] = (), security: str = "", prefill_s_per_token: float = 0.0) -> None:
         self.engine = engine
         self.loaded = loaded
         self.forward_s = tuple(forward_s)  # measured forward costs, reported by Info
+        self.prefill_s_per_token = prefill_s_per_token  # measured prefill per prompt token, reported by Info
         self.security = security  # how callers are authenticated (BackendSecurity.statement), reported by Info
         self.limits = limits
         self.max_prompt_tokens = max_prompt_tokens  # applies to re-prefills too (prompt + tokens so far)
@@ -97,4 +98,5 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                        self.forward_s, overlap=self.engine.overlap,
                                        batching=self.engine.batcher.describe(),
                                        live_forward_s=self.engine.batcher.live_costs.seconds_by_rows(),
-                                       exactness=self.exactness.statement, security=self.security)
+                                       exactness=self.exactness.statement, security=self.security,
+                                       prefill_s_per_token=self.prefill_s_per_token)

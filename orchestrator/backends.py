@@ -176,7 +176,8 @@ class Backends:
         if not draft.forward_s or not target.forward_s:
             return None
         costs = CostModel.from_forward_costs(draft.forward_s, target.forward_s, statistics.median(trips),
-                                             source=f"measured by the services ({target.dtype})")
+                                             source=f"measured by the services ({target.dtype})",
+                                             draft_prefill_s_per_token=draft.prefill_s_per_token)
         with self._lock:
             self._costs = costs
         return costs

@@ -18,7 +18,7 @@ from target_service.servicer import SERVICE_NAME, TargetServicer
 
 def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0, limits: SessionLimits = SessionLimits(),
           max_prompt_tokens: int | None = None, tls: TlsFiles | None = None,
-          metrics_port: int | None = None, forward_s: Sequence[float] = (),
+          metrics_port: int | None = None, forward_s: Sequence[float] = (), prefill_s_per_token: float = 0.0,
           security: BackendSecurity = BackendSecurity()) -> RunningServer:
     """Start serving ``loaded`` as the target model; returns at once (the server runs in threads).
 
@@ -31,7 +31,8 @@ def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0, limits
             model's context is the only limit.
         tls: serve TLS; with ``tls.ca`` clients must present a certificate it signed (mTLS).
         metrics_port: serve Prometheus ``/metrics`` on ``host:metrics_port`` (0: a free port).
-        forward_s: the model's measured forward costs (:mod:`disco.engines.engine_costs`), reported by ``Info``.
+        forward_s: the model's measured forward costs (:mod:`disco.engines.engine_costs`), reported by ``Info``;
+            ``prefill_s_per_token`` its measured prefill per prompt token.
         security: the credentials callers must present (:class:`BackendSecurity`: the backend token,
             ``--insecure``); checked against ``host`` and ``tls`` before anything is bound.
 
@@ -47,7 +48,7 @@ def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0, limits
                           engine.batcher.describe())
     metrics.track_live_costs(engine.batcher.live_costs.seconds_by_rows)
     metrics.describe_security(statement)
-    servicer = TargetServicer(engine, loaded, limits, max_prompt_tokens, metrics, forward_s, statement)
+    servicer = TargetServicer(engine, loaded, limits, max_prompt_tokens, metrics, forward_s, statement, prefill_s_per_token)
     return start_server([(target_pb2_grpc.add_TargetServiceServicer_to_server, servicer, SERVICE_NAME)],
                         host, port, max_workers=limits.max_sessions + 8, tls=tls, metrics=metrics,
                         metrics_port=metrics_port, interceptors=security.interceptors())

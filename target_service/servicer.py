@@ -32,10 +32,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     def __init__(self, engine: TargetEngine, loaded: LoadedModel, limits: SessionLimits,
                  max_prompt_tokens: int | None = None, metrics: ServerMetrics | None = None,
-                 forward_s: Sequence[float] = (), security: str = "") -> None:
+                 forward_s: Sequence[float] = (), security: str = "", prefill_s_per_token: float = 0.0) -> None:
         self.engine = engine
         self.loaded = loaded
         self.forward_s = tuple(forward_s)  # measured forward costs, reported by Info
+        self.prefill_s_per_token = prefill_s_per_token  # measured prefill per prompt token, reported by Info
         self.security = security  # how callers are authenticated (BackendSecurity.statement), reported by Info
         self.limits = limits
         self.max_prompt_tokens = max_prompt_tokens  # applies to re-prefills too (prompt + tokens so far)
@@ -78,4 +79,5 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                        self.engine.active_sessions(), self.limits, time.perf_counter_ns(),
                                        self.forward_s, batching=self.engine.batcher.describe(),
                                        live_forward_s=self.engine.batcher.live_costs.seconds_by_rows(),
-                                       exactness=self.exactness.statement, security=self.security)
+                                       exactness=self.exactness.statement, security=self.security,
+                                       prefill_s_per_token=self.prefill_s_per_token)

@@ -493,5 +493,6 @@ def to_cost_model(target: EngineCosts, draft: EngineCosts, rtt: float = 0.0) -> 
     ``t_draft`` the draft's per-token cost, ``t_verify[k]`` the target forward over ``k + 1``
     new tokens (both records of :func:`measure_forward_costs`)."""
     return CostModel.from_forward_costs(draft.forward_s, target.forward_s, rtt,
+                                        draft_prefill_s_per_token=draft.prefill_s / max(1, draft.context_tokens),
                                         source=f"engine costs: {target.model} / {draft.model}, {target.engine}, "
                                                f"{target.device}, {target.threads} threads")

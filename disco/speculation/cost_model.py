@@ -35,11 +35,14 @@ class CostModel:
     t_verify: tuple[float, ...]  # t_verify[k]: one target forward over k draft tokens (+ bonus position)
     t_rtt: float = 0.0  # seconds per RPC round trip (0 in process)
     source: str = ""
+    t_draft_prefill: float = 0.0  # seconds per prompt token of the draft's prefill (0: not known)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        if self.t_draft < 0 or self.t_rtt < 0 or not self.t_verify or any(v <= 0 for v in self.t_verify):
-            raise InvalidRequest("cost model needs t_draft >= 0, t_rtt >= 0 and positive t_verify values")
+        if (self.t_draft < 0 or self.t_rtt < 0 or self.t_draft_prefill < 0 or not self.t_verify
+                or any(v <= 0 for v in self.t_verify)):
+            raise InvalidRequest("cost model needs t_draft >= 0, t_rtt >= 0, t_draft_prefill >= 0 and positive "
+                                 "t_verify values")
 
     def verify(self, k: int) -> float:
         if k < len(self.t_verify):
@@ -70,25 +73,30 @@ class CostModel:
 
     @staticmethod
     def from_forward_costs(draft_forward_s: Sequence[float], target_forward_s: Sequence[float], t_rtt: float = 0.0,
-                           source: str = "", extra: dict | None = None) -> "CostModel":
+                           source: str = "", extra: dict | None = None,
+                           draft_prefill_s_per_token: float = 0.0) -> "CostModel":
         """The cost model of measured forwards (the one way measurements become one):
         ``t_draft`` a one-token draft forward (``draft_forward_s[0]``), ``t_verify[k]`` the
-        target forward over ``k + 1`` new tokens (``target_forward_s[k]``)."""
+        target forward over ``k + 1`` new tokens (``target_forward_s[k]``), ``t_draft_prefill``
+        the draft's prefill per prompt token."""
         return CostModel(t_draft=float(draft_forward_s[0]), t_verify=tuple(float(v) for v in target_forward_s),
-                         t_rtt=float(t_rtt), source=source, extra=dict(extra or {}))
+                         t_rtt=float(t_rtt), source=source, extra=dict(extra or {}),
+                         t_draft_prefill=float(draft_prefill_s_per_token))
 
     def with_rtt(self, t_rtt: float) -> "CostModel":
         return replace(self, t_rtt=float(t_rtt), source=f"{self.source} (rtt {t_rtt * 1000:g} ms)")
 
     def to_json(self) -> dict:
         return {"t_draft": self.t_draft, "t_verify": list(self.t_verify), "t_rtt": self.t_rtt,
-                "source": self.source, "target_only_token": self.target_only_token, **self.extra}
+                "t_draft_prefill": self.t_draft_prefill, "source": self.source,
+                "target_only_token": self.target_only_token, **self.extra}
 
     @staticmethod
     def from_json(data: dict) -> "CostModel":
         try:
             return CostModel(t_draft=float(data["t_draft"]), t_verify=tuple(float(v) for v in data["t_verify"]),
-                             t_rtt=float(data.get("t_rtt", 0.0)), source=str(data.get("source", "")))
+                             t_rtt=float(data.get("t_rtt", 0.0)), source=str(data.get("source", "")),
+                             t_draft_prefill=float(data.get("t_draft_prefill", 0.0)))
         except (KeyError, TypeError, ValueError) as error:
             raise InvalidRequest(f"malformed cost model: {error}") from None
 

@@ -67,7 +67,10 @@ def live_cost_model(calibrated: CostModel, target_live: Sequence[float], draft_l
     if not any(v > 0 for v in target_live) and not any(v > 0 for v in draft_live) and sessions == 1:
         return calibrated
     observed = "live" if any(v > 0 for v in (*target_live, *draft_live)) else "calibrated"
-    return CostModel(t_draft=draft(sessions),
+    # The draft's prefill moves as its forwards do (no live prefill is observed: a prefill's
+    # cost is its prompt's, not a step's).
+    prefill_scale = draft(sessions) / calibrated.t_draft if calibrated.t_draft > 0 else 1.0
+    return CostModel(t_draft=draft(sessions), t_draft_prefill=calibrated.t_draft_prefill * prefill_scale,
                      t_verify=tuple(target(sessions * (k + 1)) for k in range(len(calibrated.t_verify))),
                      t_rtt=calibrated.t_rtt, source=f"{calibrated.source}, {observed}, {sessions} session(s)",
                      extra={**calibrated.extra, "sessions": sessions})

@@ -127,7 +127,8 @@ class SpeculativeGenerator:
         sampling = self.with_controls(sampling)
         spec = parse_policy_spec(speculation.policy)
         if spec.name == "auto" and not spec.argument:
-            speculation = dataclasses.replace(speculation, policy=self.resolve_auto(speculation.max_lookahead))
+            speculation = dataclasses.replace(speculation, policy=self.resolve_auto(speculation.max_lookahead, len(prompt_ids),
+                                                                                sampling.max_new_tokens))
         else:
             speculation = dataclasses.replace(speculation, policy=with_costs(speculation.policy, self.costs))
         spec = parse_policy_spec(speculation.policy)
@@ -157,12 +158,15 @@ class SpeculativeGenerator:
         sampling.validate(self.max_new_tokens_limit)  # the budgets of what was added
         return sampling
 
-    def resolve_auto(self, max_lookahead: int) -> str:
-        """``auto`` for one request: ``none`` where the measured costs say no lookahead can
-        pay, else ``auto`` carrying the costs to the draft side (see :mod:`disco.speculation.policies.auto`)."""
+    def resolve_auto(self, max_lookahead: int, prompt_tokens: int = 0, new_tokens: int = 0) -> str:
+        """``auto`` for one request: ``none`` where the measured costs say drafting cannot pay
+        (for a request of ``prompt_tokens`` and ``new_tokens``: the draft's prefill of its prompt
+        included), else ``auto`` carrying the costs to the draft side (see
+        :mod:`disco.speculation.policies.auto`)."""
         if self.costs is None:
             return "auto"
-        if self.drafter is None or not (self.explore_draft or speculation_pays(self.costs, max_lookahead)):
+        if self.drafter is None or not (self.explore_draft or speculation_pays(self.costs, max_lookahead,
+                                                                               prompt_tokens, new_tokens)):
             return "none"
         return with_costs("auto", self.costs)
 

@@ -190,6 +190,7 @@ def _run_backend(args: argparse.Namespace) -> int:
                            static_slots=args.static_slots, static_capacity=args.static_capacity)
     options = dict(host=args.host, port=args.port, limits=limits, max_prompt_tokens=args.max_prompt_tokens or None,
                    tls=tls, metrics_port=args.metrics_port, forward_s=costs.forward_s if costs else (),
+                   prefill_s_per_token=costs.prefill_s / costs.context_tokens if costs else 0.0,
                    security=security)
     if args.role == "draft":
         running = draft_service.server.serve(

@@ -6,9 +6,13 @@ free and long drafts pay; on an AVX2 CPU in bf16 a forward over k tokens costs a
 one-token forwards and no draft pays; int8 weight-only lies in between (short drafts pay).
 ``auto`` reads that from the measured costs (:class:`~disco.speculation.cost_model.CostModel`):
 
-* per request, the loop asks :func:`speculation_pays` with an optimistic acceptance rate;
-  where even that cannot beat target-only by :data:`MIN_SPEEDUP`, the request runs
-  target-only (no draft session, no draft calls: as fast as ``none``);
+* per request, the loop asks :func:`speculation_pays` with an optimistic acceptance rate,
+  the request's prompt and token budget: the draft's prefill of the prompt (a cost a
+  target-only request never pays, ``t_draft_prefill`` per token) weighed against what
+  drafting can save on its tokens (:func:`request_speedup`); where even that cannot beat
+  target-only by :data:`MIN_SPEEDUP`, the request runs target-only (no draft session, no
+  draft calls: as fast as ``none``). A long prompt with a short answer (a classification, a
+  short JSON object) is not worth the draft's prefill on a CPU;
 * per token, with a DISCO artifact whose classifier predicts each draft token's
   acceptance given the previous ones (label ``conditional``, the shipped
   ``disco:default``), the *rate rule* decides: after k drafted tokens with predicted
@@ -86,11 +90,26 @@ def best_lookahead(cost: CostModel, acceptance: float, max_lookahead: int) -> tu
     return best
 
 
-def speculation_pays(cost: CostModel, max_lookahead: int) -> bool:
-    """Whether any lookahead can beat target-only by :data:`MIN_SPEEDUP` at an
-    optimistic acceptance rate (the per-request decision of ``auto``); by
-    :data:`MIN_SPEEDUP_UNDER_LOAD` where ``cost`` is that of several sessions in flight."""
+def request_speedup(cost: CostModel, max_lookahead: int, prompt_tokens: int, new_tokens: int) -> float:
+    """Expected tokens/s of a request that drafts over the same request target-only: the best
+    lookahead's speedup at :data:`OPTIMISTIC_ACCEPTANCE` over ``new_tokens`` tokens, with the
+    draft's prefill of ``prompt_tokens`` paid once (``cost.t_draft_prefill`` per token). The
+    token budget is an upper bound (a request may stop early), so this stays optimistic."""
+    speedup = best_lookahead(cost, OPTIMISTIC_ACCEPTANCE, max_lookahead)[1]
+    target_only = new_tokens * cost.target_only_token
+    if target_only <= 0:
+        return 1.0
+    return target_only / (target_only / speedup + prompt_tokens * cost.t_draft_prefill)
+
+
+def speculation_pays(cost: CostModel, max_lookahead: int, prompt_tokens: int = 0, new_tokens: int = 0) -> bool:
+    """Whether drafting can beat target-only by :data:`MIN_SPEEDUP` at an optimistic acceptance
+    rate (the per-request decision of ``auto``; by :data:`MIN_SPEEDUP_UNDER_LOAD` where ``cost``
+    is that of several sessions in flight). With ``new_tokens``, for a whole request: the
+    draft's prefill of ``prompt_tokens`` included (:func:`request_speedup`); without, per block."""
     margin = MIN_SPEEDUP_UNDER_LOAD if int(cost.extra.get("sessions", 1)) > 1 else MIN_SPEEDUP
+    if new_tokens > 0:
+        return request_speedup(cost, max_lookahead, prompt_tokens, new_tokens) >= margin
     return best_lookahead(cost, OPTIMISTIC_ACCEPTANCE, max_lookahead)[1] >= margin
 
 
@@ -217,11 +236,14 @@ def with_costs(spec: str, cost: CostModel | None) -> str:
     return f"auto:{encode_costs(cost)}" if spec == "auto" else f"{spec}@{encode_costs(cost)}"
 
 
-def as_served(spec: str, cost: CostModel | None, max_lookahead: int) -> str:
+def as_served(spec: str, cost: CostModel | None, max_lookahead: int, prompt_tokens: int = 0,
+              new_tokens: int = 0) -> str:
     """The spec one request runs, as the loop resolves it (:meth:`SpeculativeGenerator.resolve_auto`):
-    a bare ``auto`` where no lookahead can pay by ``cost`` is ``none`` (target-only: ``auto`` never
-    runs below it), else :func:`with_costs`. ``disco replay`` replays ``auto`` this way."""
-    if spec == "auto" and cost is not None and not speculation_pays(cost, max_lookahead):
+    a bare ``auto`` where no lookahead can pay by ``cost`` (for a request of ``prompt_tokens`` and
+    ``new_tokens``: the draft's prefill included, :func:`speculation_pays`) is ``none``
+    (target-only: ``auto`` never runs below it), else :func:`with_costs`. ``disco replay`` replays
+    ``auto`` this way."""
+    if spec == "auto" and cost is not None and not speculation_pays(cost, max_lookahead, prompt_tokens, new_tokens):
         return "none"
     return with_costs(spec, cost)
 
