@@ -56,13 +56,13 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from disco.engines import lean_decoder
 from disco.engines.decoder_shape import DecoderShape
+from disco.engines.engine_state import engine_state
 from disco.engines.static_kv import PreallocatedCache
 from disco.engines.varlen_attention import AttentionPlan, QueryLayout, attention_plan, one_call_attention, query_layout
 from disco.models.weight_only import DENSE_MIN_ROWS, dense_prefill
 
 _NAME = "disco_packed_sdpa"
 _BASE = "sdpa"
-_LEAN_ATTRIBUTE = "_disco_lean_decoder"
 
 logger = logging.getLogger(__name__)
 
@@ -304,7 +304,8 @@ def _decoding_sdpa(module: torch.nn.Module, keys: torch.Tensor, values: torch.Te
 def lean_decoder_for(model: torch.nn.Module) -> lean_decoder.LeanDecoder | None:
     """The model's lean decoder, built and checked once (cached on the model); ``None`` where
     the HF forward runs instead (an architecture it does not know, or a check that failed)."""
-    cached = model.__dict__.get(_LEAN_ATTRIBUTE)
+    state = engine_state(model)
+    cached = state.lean
     if cached is False or (cached is not None and cached.is_current()):
         return cached or None
     reason = lean_decoder.unsupported_reason(model) if supports_packing(model) else "no packed forward"
@@ -319,7 +320,7 @@ def lean_decoder_for(model: torch.nn.Module) -> lean_decoder.LeanDecoder | None:
     if reason is not None:
         logger.info("%s: the HF forward (no lean decoder: %s)", type(model).__name__, reason)
         lean = None
-    model.__dict__[_LEAN_ATTRIBUTE] = lean or False
+    state.lean = lean or False
     return lean
 
 

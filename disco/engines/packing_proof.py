@@ -59,6 +59,7 @@ import torch
 from disco.config import DEFAULT_MAX_LOOKAHEAD
 from disco.engines import device_clock
 from disco.engines.decoder_shape import DecoderShape
+from disco.engines.engine_state import engine_state
 from disco.engines.kv import CachedSequence
 from disco.engines.packed_forward import describe_forward, supports_packing
 from disco.engines.varlen_attention import KEY_GRANULE
@@ -142,27 +143,27 @@ class Exactness:
 
 
 def _model_key(model: torch.nn.Module) -> tuple:
+    """What the exactness proof depends on besides the model (whose own state keeps it): the
+    weights' dtype and device (a model cast or moved proves itself again)."""
     weight = model.get_input_embeddings().weight
-    return id(model), weight.dtype, str(weight.device)
+    return weight.dtype, str(weight.device)
 
 
 def exactness_for(model: torch.nn.Module) -> Exactness:
     """:func:`prove_decoding` once per model (kept on the model, keyed like :func:`verdict_for`);
     where it fails and the model has low-precision linears without a row plan, they get
     plans proven on the device (:func:`disco.models.row_stable.stabilize`) and it proves again."""
-    kept = getattr(model, "_disco_exactness", None)
-    if kept is None:
-        kept = model._disco_exactness = {}
+    kept = engine_state(model).exactness
     key = _model_key(model)
     if key not in kept:
-        if key[2] != "cpu" and row_stable.needs_plans(model):  # a GPU model built outside load_model
-            logger.info("row plans on %s: %s", key[2], row_stable.stabilize(model))
+        if key[1] != "cpu" and row_stable.needs_plans(model):  # a GPU model built outside load_model
+            logger.info("row plans on %s: %s", key[1], row_stable.stabilize(model))
         if supports_packing(model):
             logger.info("forwards of %s: %s", type(model).__name__, describe_forward(model))
         exactness = prove_decoding(model)
         if not exactness.proven and row_stable.needs_plans(model):
             logger.info("verified blocks differ from decoding on %s: probing row plans there (%s)",
-                        key[2], row_stable.stabilize(model))
+                        key[1], row_stable.stabilize(model))
             exactness = prove_decoding(model)
         log = logger.info if exactness.proven else logger.warning
         log("exactness: %s", exactness.statement)
@@ -206,13 +207,12 @@ def verdict_for(model: torch.nn.Module, sessions: int) -> PackingVerdict:
     """:func:`prove_packing` once per model and batch size (the verdict is kept on the model),
     after :func:`exactness_for` (which may give the model row plans, and so other bits).
 
-    NOTE: keyed by the model object's id and weight dtype too: a ``deepcopy`` (then perhaps
-    cast or changed) carries the dict along but is another model, so it proves itself."""
+    NOTE: kept in the model's :func:`~disco.engines.engine_state.engine_state` (a ``deepcopy``,
+    perhaps cast or changed after, is another model and proves itself), keyed by the weight
+    dtype too (a model cast in place proves itself again)."""
     exactness_for(model)
-    verdicts = getattr(model, "_disco_packing_verdicts", None)
-    if verdicts is None:
-        verdicts = model._disco_packing_verdicts = {}
-    key = (id(model), sessions, model.get_input_embeddings().weight.dtype)
+    verdicts = engine_state(model).verdicts
+    key = (sessions, model.get_input_embeddings().weight.dtype)
     if key not in verdicts:
         verdicts[key] = (prove_packing(model, sessions) if supports_packing(model)
                          else PackingVerdict(False, "one by one (the model has no packed forward)"))
