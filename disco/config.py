@@ -359,6 +359,8 @@ class ModelConfig:
     spec: str | None = None
     dtype: str = "bfloat16"  # a concrete engine (ENGINE_DTYPES); entry points resolve "auto" first
     device: str = "cpu"
+    vocab_subset: int = 0  # a draft's LM head over its N most frequent tokens (disco.models.vocab_subset); 0: all
+
 
     def validate(self) -> None:
         if self.dtype == "auto":
@@ -368,6 +370,9 @@ class ModelConfig:
             raise InvalidRequest(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
             raise InvalidRequest(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if self.vocab_subset < 0:
+            raise InvalidRequest(f"a draft's vocabulary subset must be a number of tokens (0: all), "
+                                 f"got {self.vocab_subset}")
         if self.dtype in CPU_ONLY_DTYPES and self.device != "cpu":
             raise InvalidRequest(f"the {self.dtype} engine runs on a CPU only (its kernels are torch's CPU "
                                  f"weight-only ops); on {self.device} use bfloat16 or float32")

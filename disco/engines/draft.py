@@ -23,6 +23,7 @@ from disco.engines.sessions import KvBudget, SessionLimits, SessionStore
 from disco.engines.static_runner import static_runner_for
 from disco.errors import InvalidRequest, ModelError, SessionMismatch, SessionNotFound
 from disco.interfaces import DraftEvent, DraftSummary, DraftToken, Feedback, PrefillResult
+from disco.models.vocab_subset import VocabSubsetHead
 from disco.speculation.policies import Decision, PolicyFactory, StopPolicy, block_budget
 from disco.speculation.grammar import GrammarCompiler, GrammarState, session_grammar
 from disco.speculation.logits_processors import apply_logits_controls
@@ -95,6 +96,8 @@ class DraftEngine:
         self.sessions: SessionStore[DraftSession] = SessionStore(limits, kv=KvBudget.for_model(model, limits, "draft"))
         # Concurrent sessions' forwards run as one padded batch (see disco.engines.batching).
         self.batcher = ForwardBatcher(model, max_batch, static=self.static)
+        # A head over a vocabulary subset (disco.models.vocab_subset): its logits are -inf elsewhere.
+        self.vocab_subset = isinstance(model.get_output_embeddings(), VocabSubsetHead)
 
     def start_session(
         self,
@@ -332,15 +335,21 @@ class DraftEngine:
         want_prob = not (policy.needs_signals and session.sampling.is_greedy)
         # The token goes at absolute position len(sequence.tokens): its noise's key when sampling.
         # The token is chosen under the request's sampling controls; the signals read the raw logits.
-        token, prob = self._choose(session.sampling, len(sequence.tokens), self._controlled(session, logits)[0],
-                                   want_prob)
+        controlled = self._controlled(session, logits)[0]  # [vocab]
+        token, prob = self._choose(session.sampling, len(sequence.tokens), controlled, want_prob)
         parts = [token.float().reshape(1), prob.reshape(1) if prob is not None else logits.new_full((1,), float("nan"))]
+        if self.vocab_subset:  # a head over a subset: the controls may leave no token it can propose
+            parts.append(controlled.max().float().reshape(1))
         if policy.needs_signals:
             parts.append(signal_values(logits[0], token))  # [NUM_SIGNAL_VALUES]
             if hidden is not None:
                 parts.append(hidden[0].float())  # [hidden_size]
         host = to_host(torch.cat(parts))  # the one transfer
         token_id, draft_prob, offset = int(host[0]), float(host[1]), 2
+        if self.vocab_subset:
+            if host[offset] == float("-inf"):  # nothing the subset holds is allowed here: the block ends
+                return DraftToken(token_id=token_id, draft_prob=0.0), Decision.DISCARD, None
+            offset += 1
         signals = None
         if policy.needs_signals:
             values, offset = host[offset: offset + NUM_SIGNAL_VALUES], offset + NUM_SIGNAL_VALUES

@@ -154,7 +154,8 @@ class Predraft:
                 return
             token, decision, signals = self._step(policy, position)
             self.forwards += 1
-            if decision is Decision.DISCARD:  # not expected (see can_predraft): make it a miss
+            if decision is Decision.DISCARD:  # the oracle is left out (can_predraft); a draft over a vocabulary
+                # subset with nothing allowed to propose: make it a miss
                 raise RuntimeError("the stop policy discarded a pre-drafted token")
             sequence.tokens.append(token.token_id)
             self.tokens.append(token)

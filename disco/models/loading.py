@@ -36,6 +36,7 @@ from disco.models.default_pair import ROLES, default_model, ensure_default_model
 from disco.models.gguf import SOURCE_FILE, convert_gguf, gguf_source
 from disco.models.gguf_blocks import checked_native_weights
 from disco.models.int4 import use_chosen_kernel
+from disco.models.vocab_subset import use_vocab_subset
 from disco.models.weight_only import choose_dense_dtype
 
 logger = logging.getLogger(__name__)
@@ -130,6 +131,15 @@ def load_model(config: ModelConfig, role: str, home: Path, progress: bool = True
         raise ModelError(f"could not move {role} model {name} to {config.device}: {first_line(error)}") from error
     model.eval()
     hub_kernels.check_model(model, name)
+    if config.vocab_subset:  # before the kernel and the row plans: the new head gets them too
+        if role != "draft":
+            raise ModelError(f"a vocabulary subset is for the draft only, not the {role}")
+        special = [*_eos_token_ids(model, tokenizer), *tokenizer.all_special_ids]
+        try:
+            logger.info("%s model %s: %s", role, name, use_vocab_subset(model, config.vocab_subset, special))
+        except ValueError as error:
+            raise ModelError(f"{role} model {name}: {error}") from error
+        fingerprint = f"{fingerprint}-vocab{config.vocab_subset}"  # its costs are another model's
     kernel = ""
     if config.dtype == "int4" and config.device == "cpu":  # before the row plans: they probe the kernel
         if (choice := use_chosen_kernel(model, home)) is not None:

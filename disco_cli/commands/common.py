@@ -29,6 +29,14 @@ def dtype_from_args(args: argparse.Namespace, role: str = "target") -> str:
     return choose_engine(requested or args.dtype, spec, role, getattr(args, "device", "cpu"), disco_home())
 
 
+def add_vocab_subset_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flag: str) -> None:
+    """The draft's vocabulary subset (:mod:`disco.models.vocab_subset`), 0 (default): all tokens."""
+    parser.add_argument(flag, type=int, default=0, metavar="N",
+                        help="the draft proposes from its N most frequent tokens only (an LM head over them: a "
+                             "cheaper draft token; the target still verifies the full vocabulary, so the output "
+                             "is unchanged); 0: all (default)")
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     """``--target/--draft/--dtype/--device``; omitted models mean the default pair."""
     group = parser.add_argument_group("models")
@@ -39,6 +47,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     add_dtype_arg(group)
     group.add_argument("--draft-dtype", default=None, choices=list(DTYPE_CHOICES),
                        help="the draft's engine, where it should differ from --dtype")
+    add_vocab_subset_arg(group, "--draft-vocab")
     group.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
 
 
@@ -46,7 +55,8 @@ def pair_config_from_args(args: argparse.Namespace) -> PairConfig:
     """Both models' configs, with ``--dtype auto`` resolved into the engine used here."""
     pair = PairConfig(
         target=ModelConfig(spec=args.target, dtype=dtype_from_args(args, "target"), device=args.device),
-        draft=ModelConfig(spec=args.draft, dtype=dtype_from_args(args, "draft"), device=args.device),
+        draft=ModelConfig(spec=args.draft, dtype=dtype_from_args(args, "draft"), device=args.device,
+                          vocab_subset=getattr(args, "draft_vocab", 0)),
     )
     pair.target.validate()
     pair.draft.validate()

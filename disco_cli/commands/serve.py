@@ -27,6 +27,7 @@ from disco_cli.commands.common import (
     add_model_args,
     add_operations_args,
     add_server_security_args,
+    add_vocab_subset_arg,
     backend_security_from_args,
     dtype_from_args,
     pair_config_from_args,
@@ -70,6 +71,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         if role == "draft":
             _add_artifact_dir_arg(parser)
             add_overlap_arg(parser)
+            add_vocab_subset_arg(parser, "--vocab-subset")
         parser.set_defaults(func=_run_backend, role=role)
 
     parser = subparsers.add_parser("orchestrator", help="run the public orchestrator over a draft and a target service")
@@ -183,7 +185,8 @@ def _run_backend(args: argparse.Namespace) -> int:
     security.statement(args.host, tls)  # an exposed backend is refused before its model loads
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = ModelConfig(spec=args.model, dtype=dtype_from_args(args, args.role), device=args.device)
+    config = ModelConfig(spec=args.model, dtype=dtype_from_args(args, args.role), device=args.device,
+                         vocab_subset=getattr(args, "vocab_subset", 0))
     config.validate()
     loaded, costs = _load_and_measure(config, args.role, measure=not args.no_engine_costs)
     limits = SessionLimits(max_sessions=args.max_sessions, idle_ttl_s=args.idle_ttl, max_kv_bytes=args.max_kv_bytes,
