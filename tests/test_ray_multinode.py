@@ -66,6 +66,33 @@ ROLE_RESOURCES = {"target": {"disco_target": 1.0}, "draft": {"disco_draft": 1.0}
 # seconds): the spare node then vanished and the replica never came back (issue 46).
 FAST_FAILURE_DETECTION = {"health_check_period_ms": 1000, "health_check_failure_threshold": 10,
                           "health_check_timeout_ms": 3000}
+#: How long a new raylet may take to register with the GCS. Ray waits a fixed 30 s
+#: (``ray/_private/node.py``, not configurable): on a loaded 2-core machine (beside busy processes
+#: and other tests) adding a node took longer, and every test here failed at setup (issue 46).
+RAYLET_REGISTRATION_S = 180.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def patient_node_registration():
+    """Each of Ray's lookups of a starting node's registration waits up to
+    :data:`RAYLET_REGISTRATION_S` (polling, as Ray's own loop does) before it fails."""
+    from ray._private import services  # noqa: PLC0415
+
+    original = services.get_node
+
+    def get_node(gcs_address, node_id, *args, **kwargs):
+        deadline = time.monotonic() + RAYLET_REGISTRATION_S
+        while True:
+            try:
+                return original(gcs_address, node_id, *args, **kwargs)
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
+    services.get_node = get_node
+    yield
+    services.get_node = original
 
 
 @dataclass
