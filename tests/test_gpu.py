@@ -286,6 +286,8 @@ def test_engines_on_the_static_path_with_cuda_graphs_give_target_only_tokens(cud
     static = SpeculativeGenerator(DraftEngine(draft, PolicyFactory(), limits), TargetEngine(target, limits),
                                   make_decode(tokenizer), (EOS_ID,))
     assert static.verifier.static.graphed and static.drafter.static.graphed
+    for engine in (static.verifier, static.drafter):  # the start-up proof ran through the graphs and kept them on
+        assert engine.static.refused is None and engine.static.proof.batching_exact, engine.static.describe()
     packed = local_generator(target, draft, tokenizer)
     ids = tokenizer(PROMPTS[0])["input_ids"]
     reference = packed.generate(ids, greedy(), SpeculationConfig(policy="none")).token_ids
