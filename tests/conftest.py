@@ -27,6 +27,11 @@ def pytest_configure(config: pytest.Config) -> None:
         # ``--dtype auto`` without --target/--draft) fails fast instead of fetching 1.6 GB.
         os.environ["PIP_NO_INDEX"] = "1"
         os.environ["PIP_FIND_LINKS"] = ""
+    # Ray starts its workers (here: the model services' actors) at nice 15; on a shared 2-core
+    # machine beside busy processes they then got a few percent of a core, and a replica took
+    # minutes to load a tiny model (issue 46). The Ray runtimes the tests start (and the heads
+    # `disco up` starts for them) run their workers at the tests' own priority.
+    os.environ.setdefault("RAY_worker_niceness", "0")
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from disco.config import ModelConfig
-from disco.engines.engine_costs import (EngineCosts, cached_kernel, load_or_measure, read_cached, request_for,
+from disco.engines.engine_costs import (CostRequest, EngineCosts, cached_kernel, load_or_measure, read_cached,
                                         worth_remeasuring)
 from disco.models.loading import load_model, model_fingerprint
 from disco.platform import resolve_dtype
@@ -41,6 +41,15 @@ CPU_CANDIDATES = {"target": ("int4", "int8", "bfloat16"), "draft": ("int4", "int
 #: blocks of the lengths ``auto`` drafts) or one draft forward per token.
 TYPICAL_NEW_TOKENS = 64
 TYPICAL_BLOCK = 5
+
+
+def choice_request(role: str) -> CostRequest:
+    """What the choice times per candidate: the forwards :func:`typical_request_s` reads (the
+    target's over 1..:data:`TYPICAL_BLOCK` new tokens, the draft's one), not the services' whole
+    table (1..the lookahead cap + 1, :func:`~disco.engines.engine_costs.request_for`): a candidate
+    that loses is never timed over blocks nobody will run on it; the chosen engine's service
+    measures the rest at its start."""
+    return CostRequest(max_new_tokens=TYPICAL_BLOCK if role == "target" else 1)
 
 
 def typical_request_s(costs: EngineCosts, role: str) -> float:
@@ -70,7 +79,7 @@ def choose_engine(requested: str, spec: str | None, role: str, device: str, home
     timed: dict[str, float] = {}
     for engine in CPU_CANDIDATES[role]:
         costs = None if fingerprint is None else read_cached(
-            home, fingerprint, engine, device, threads, request_for(role), forward=None,
+            home, fingerprint, engine, device, threads, choice_request(role), forward=None,
             kernel=cached_kernel(home, engine, device))
         if costs is None or worth_remeasuring(costs):  # a busy start's timing is measured again when quiet
             costs = _measure(spec, role, engine, device, home, progress)
@@ -88,7 +97,7 @@ def _measure(spec: str | None, role: str, engine: str, device: str, home: Path, 
     loaded = load_model(config, role, home, progress)
     try:
         return load_or_measure(loaded.model, name=loaded.name, fingerprint=loaded.fingerprint, engine=engine,
-                               device=device, home=home, request=request_for(role), progress=progress)
+                               device=device, home=home, request=choice_request(role), progress=progress)
     finally:
         del loaded
         gc.collect()
