@@ -11,6 +11,8 @@ from disco.errors import InvalidRequest
 
 DEFAULT_MAX_LOOKAHEAD = 20
 MAX_LOOKAHEAD_LIMIT = 64
+#: The smallest draft prefill window (its first 4 tokens, the attention sinks, and at least 4 more).
+MIN_PREFILL_WINDOW = 8
 #: The engines a model can run as; "int8" / "int4" are int8 / group-wise int4 weight-only
 #: with bfloat16 activations.
 ENGINE_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
@@ -360,6 +362,7 @@ class ModelConfig:
     dtype: str = "bfloat16"  # a concrete engine (ENGINE_DTYPES); entry points resolve "auto" first
     device: str = "cpu"
     vocab_subset: int = 0  # a draft's LM head over its N most frequent tokens (disco.models.vocab_subset); 0: all
+    prefill_window: int = 0  # a draft reads at most N prompt tokens (disco.engines.kv.prefill_window_skip); 0: all
 
 
     def validate(self) -> None:
@@ -373,6 +376,9 @@ class ModelConfig:
         if self.vocab_subset < 0:
             raise InvalidRequest(f"a draft's vocabulary subset must be a number of tokens (0: all), "
                                  f"got {self.vocab_subset}")
+        if self.prefill_window and self.prefill_window < MIN_PREFILL_WINDOW:
+            raise InvalidRequest(f"a draft's prefill window must hold at least {MIN_PREFILL_WINDOW} prompt tokens "
+                                 f"(0: the whole prompt), got {self.prefill_window}")
         if self.dtype in CPU_ONLY_DTYPES and self.device != "cpu":
             raise InvalidRequest(f"the {self.dtype} engine runs on a CPU only (its kernels are torch's CPU "
                                  f"weight-only ops); on {self.device} use bfloat16 or float32")

@@ -209,7 +209,8 @@ def launch(pair: PairConfig, host: str = "127.0.0.1", port: int = 0, threads: in
 
 def _model_args(config: ModelConfig) -> list[str]:
     return [*(["--model", config.spec] if config.spec else []), "--dtype", config.dtype, "--device", config.device,
-            *(["--vocab-subset", str(config.vocab_subset)] if config.vocab_subset else [])]
+            *(["--vocab-subset", str(config.vocab_subset)] if config.vocab_subset else []),
+            *(["--prefill-window", str(config.prefill_window)] if config.prefill_window else [])]
 
 
 def split_cores(cores: list[int]) -> dict[str, set[int]]:

@@ -23,7 +23,8 @@ def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0, limits
           policy_factory: PolicyFactory | None = None, artifact_dirs: Sequence[str | os.PathLike] = (),
           max_prompt_tokens: int | None = None, tls: TlsFiles | None = None,
           metrics_port: int | None = None, forward_s: Sequence[float] = (), prefill_s_per_token: float = 0.0,
-          security: BackendSecurity = BackendSecurity(), overlap: bool = False) -> RunningServer:
+          security: BackendSecurity = BackendSecurity(), overlap: bool = False,
+          prefill_window: int = 0) -> RunningServer:
     """Start serving ``loaded`` as the draft model; returns at once (the server runs in threads).
 
     Args:
@@ -46,6 +47,8 @@ def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0, limits
             ``--insecure``); checked against ``host`` and ``tls`` before anything is bound.
         overlap: overlapped drafting (:mod:`disco.engines.predraft`): pre-draft each session's next block
             while the target verifies the last one; reported by ``Info``, counted in ``/metrics``.
+        prefill_window: a session's draft reads at most this many prompt tokens (0: all;
+            :class:`~disco.engines.draft.DraftEngine`); reported by ``Info``.
 
     Raises:
         DiscoError: the address cannot be bound, or it would be reachable without credentials
@@ -54,7 +57,8 @@ def serve(loaded: LoadedModel, *, host: str = "127.0.0.1", port: int = 0, limits
     policy_factory = policy_factory or PolicyFactory(restricted_loader(default_learned_loader(loaded), artifact_dirs))
     statement = security.statement(host, tls)  # refuses an exposed backend before any work
     security.warn(statement)
-    engine = DraftEngine(loaded.model, policy_factory, limits, overlap=overlap, grammar=grammar_compiler(loaded))
+    engine = DraftEngine(loaded.model, policy_factory, limits, overlap=overlap, grammar=grammar_compiler(loaded),
+                         prefill_window=prefill_window)
     metrics = ServerMetrics("draft", loaded.name)
     metrics.track_batches(lambda: engine.batcher.batch_sizes, engine.batcher.packed,
                           engine.batcher.describe())

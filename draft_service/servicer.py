@@ -99,4 +99,5 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                        batching=self.engine.batcher.describe(),
                                        live_forward_s=self.engine.batcher.live_costs.seconds_by_rows(),
                                        exactness=self.exactness.statement, security=self.security,
-                                       prefill_s_per_token=self.prefill_s_per_token)
+                                       prefill_s_per_token=self.prefill_s_per_token,
+                                       prefill_window=self.engine.prefill_window)

@@ -177,7 +177,8 @@ class Backends:
             return None
         costs = CostModel.from_forward_costs(draft.forward_s, target.forward_s, statistics.median(trips),
                                              source=f"measured by the services ({target.dtype})",
-                                             draft_prefill_s_per_token=draft.prefill_s_per_token)
+                                             draft_prefill_s_per_token=draft.prefill_s_per_token,
+                                             draft_prefill_window=draft.prefill_window)
         with self._lock:
             self._costs = costs
         return costs

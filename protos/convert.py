@@ -263,7 +263,8 @@ def service_info_pb(role: str, loaded: LoadedModel, max_context: int, active_ses
                     limits: SessionLimits, started_ns: int, forward_s: Sequence[float] = (),
                     overlap: bool = False, batching: str = "",
                     live_forward_s: Sequence[float] = (), exactness: str = "",
-                    security: str = "", prefill_s_per_token: float = 0.0) -> common_pb2.ServiceInfo:
+                    security: str = "", prefill_s_per_token: float = 0.0,
+                    prefill_window: int = 0) -> common_pb2.ServiceInfo:
     """What a backend serves (its ``Info`` answer); ``forward_s``: its measured forward costs;
     ``live_forward_s``: the forward seconds it observed while serving, by rows
     (:class:`disco.engines.live_costs.LiveCosts`);
@@ -272,7 +273,8 @@ def service_info_pb(role: str, loaded: LoadedModel, max_context: int, active_ses
     ``exactness``: whether greedy output is proven equal to target-only on its device
     (:class:`disco.engines.packing_proof.Exactness`); ``security``: how it authenticates its
     callers (:meth:`protos.runtime.backend_security.BackendSecurity.statement`);
-    ``prefill_s_per_token``: its measured prefill per prompt token (0: not measured)."""
+    ``prefill_s_per_token``: its measured prefill per prompt token (0: not measured);
+    ``prefill_window``: the draft's prefill window (0: the whole prompt)."""
     parameter = next(loaded.model.parameters())
     return common_pb2.ServiceInfo(
         role=role, model_name=loaded.name, fingerprint=loaded.fingerprint, tokenizer_hash=loaded.tokenizer_hash,
@@ -281,4 +283,5 @@ def service_info_pb(role: str, loaded: LoadedModel, max_context: int, active_ses
         active_sessions=active_sessions, max_sessions=limits.max_sessions, idle_ttl_s=limits.idle_ttl_s,
         version=disco.__version__, elapsed_ns=elapsed_ns(started_ns), forward_s=list(forward_s),
         overlap=overlap, batching=batching, live_forward_s=list(live_forward_s), exactness=exactness,
-        kernel=loaded.kernel, security=security, prefill_s_per_token=prefill_s_per_token)
+        kernel=loaded.kernel, security=security, prefill_s_per_token=prefill_s_per_token,
+        prefill_window=prefill_window)

@@ -33,7 +33,11 @@ VOCAB = 512
 def _cast(model: torch.nn.Module, dtype: torch.dtype | str) -> torch.nn.Module:
     if dtype == "int8":  # the int8 weight-only engine (bf16 activations, dense long prefills)
         return quantize_model(copy.deepcopy(model))
-    return model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)
+    if dtype == torch.float32:
+        return model
+    cast = copy.deepcopy(model).to(dtype)
+    stabilize(cast)  # as the loader does: raw bf16 linears are not row-invariant on every CPU (AVX-512 without BF16)
+    return cast
 
 
 def _assert_same(batched: torch.Tensor, alone: torch.Tensor, dtype: torch.dtype | str) -> None:

@@ -254,12 +254,13 @@ def free_cached_memory(device: torch.device) -> None:
 
 def roll_back(sequence: CachedSequence, cache_len: int) -> None:
     """Undo what a failed forward did to ``sequence``'s cache: every layer cut back to
-    ``cache_len`` entries (a forward that failed at layer i has extended layers < i only, so
+    ``cache_len``'s positions (a forward that failed at layer i has extended layers < i only, so
     a uniform crop by ``CachedSequence.cache_len`` would not do) and ``cache_len`` restored.
     The tokens are kept: the pending ones are fed again by the next forward.
     """
+    positions = sequence.kv_positions(cache_len)
     for layer in getattr(sequence.cache, "layers", ()):
-        extra = layer.get_seq_length() - cache_len if getattr(layer, "is_initialized", True) else 0
+        extra = layer.get_seq_length() - positions if getattr(layer, "is_initialized", True) else 0
         if extra > 0:
             layer.crop(-extra)
     sequence.cache_len = cache_len

@@ -14,10 +14,10 @@ from typing import Iterator, Sequence
 
 import torch
 
-from disco.config import SamplingParams
+from disco.config import MIN_PREFILL_WINDOW, SamplingParams
 from disco.engines.batching import DEFAULT_MAX_BATCH, ForwardBatcher
 from disco.engines.device_clock import now_ns
-from disco.engines.kv import CachedSequence
+from disco.engines.kv import CachedSequence, prefill_window_skip
 from disco.engines.predraft import Predraft, can_predraft
 from disco.engines.sessions import KvBudget, SessionLimits, SessionStore
 from disco.engines.static_runner import static_runner_for
@@ -78,10 +78,18 @@ class DraftEngine:
         max_batch: int = DEFAULT_MAX_BATCH,
         overlap: bool = False,
         grammar: GrammarCompiler | None = None,
+        prefill_window: int = 0,
     ) -> None:
         """``overlap``: pre-draft the next block while the last one is verified (the
         default of sessions whose request does not say); ``grammar``: the model's tokenizer
-        for structured outputs (``None``: refused)."""
+        for structured outputs (``None``: refused); ``prefill_window``: a session's draft reads
+        at most this many prompt tokens, the first :data:`~disco.engines.kv.SINK_TOKENS` and the
+        last ones (:func:`~disco.engines.kv.prefill_window_skip`; 0: the whole prompt). The
+        target verifies against the whole prompt: the output is unchanged, only acceptance may move."""
+        if prefill_window and prefill_window < MIN_PREFILL_WINDOW:
+            raise InvalidRequest(f"a draft's prefill window must hold at least {MIN_PREFILL_WINDOW} prompt tokens "
+                                 f"(0: the whole prompt), got {prefill_window}")
+        self.prefill_window = prefill_window
         self.model = model
         self.grammar = grammar
         self.overlap = overlap
@@ -127,11 +135,12 @@ class DraftEngine:
         self.sessions.check_capacity()  # before building the policy (it may load an artifact)
         policy = self.policy_factory.build(policy_spec, reference_ids)
         policy.bind_sampling(0.0 if sampling.is_greedy else sampling.temperature)
-        # Admitted (count and KV bytes of every token it can reach) before paying for a prefill.
-        reserved = min(self.max_context, len(prompt_ids) + sampling.max_new_tokens)
+        skipped = prefill_window_skip(len(prompt_ids), self.prefill_window)
+        # Admitted (count and KV bytes of every position it can reach) before paying for a prefill.
+        reserved = min(self.max_context, len(prompt_ids) - len(skipped) + sampling.max_new_tokens)
         with self.sessions.admitting(session_id, reserved):
             # The cache is preallocated for what was reserved (its buffers then never move).
-            sequence = CachedSequence(self.model, prompt_ids, capacity=reserved + 1)
+            sequence = CachedSequence(self.model, prompt_ids, capacity=reserved + 1, skipped=skipped)
             if self.static is not None:
                 self.static.acquire(sequence, reserved + 1)  # a slot when one is free (else the packed path)
             session = DraftSession(
@@ -251,7 +260,8 @@ class DraftEngine:
             start.miss, start.wasted = predraft.attempted, len(predraft.tokens)
             if predraft.error is not None:  # a forward may have failed half-way: rebuild the cache
                 # A fresh sequence on the packed path (its slot, if it had one, is freed with the old one).
-                session.sequence, rebuilt = CachedSequence(self.model, session.sequence.tokens), True
+                session.sequence, rebuilt = CachedSequence(self.model, session.sequence.tokens,
+                                                           skipped=session.sequence.skipped), True
         sequence = session.sequence
         if feedback is not None:  # on a miss this also drops the guess, the pre-draft and their KV
             sequence.truncate(session.block_base + feedback.num_accepted)
@@ -329,7 +339,7 @@ class DraftEngine:
         tokens by their ids (drafter-invariant sampling).
         """
         sequence = session.sequence
-        self.sessions.grow(session.session_id, len(sequence.tokens))  # the KV this forward adds, admitted
+        self.sessions.grow(session.session_id, sequence.kv_positions(len(sequence.tokens)))  # this forward's KV, admitted
         logits, hidden = self.batcher.forward(sequence, 1, want_hidden=policy.needs_hidden)  # [1, vocab]
         # Greedy with signals: the token's probability is the signals' (one softmax serves both).
         want_prob = not (policy.needs_signals and session.sampling.is_greedy)

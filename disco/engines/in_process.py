@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,7 +135,7 @@ def build_local_pipeline(pair: PairConfig, home: Path, need_draft: bool = True,
         draft = load_model(pair.draft, "draft", home)
         check_same_vocabulary(target, draft)
     costs = _measured_costs(pair, target, draft, home) if measure_costs and draft is not None else None
-    drafter = _drafter(draft, overlap) if draft else None
+    drafter = _drafter(draft, overlap, pair.draft.prefill_window) if draft else None
     generator = SpeculativeGenerator(
         drafter=drafter,
         verifier=TargetEngine(target.model, grammar=grammar_compiler(target)),
@@ -152,8 +153,9 @@ def _measured_costs(pair: PairConfig, target: LoadedModel, draft: LoadedModel, h
     (:func:`disco.engines.engine_costs.request_for`), the draft's per token."""
     from disco.engines import engine_costs  # noqa: PLC0415
 
-    return engine_costs.to_cost_model(engine_costs.measure_loaded(target, pair.target, "target", home),
-                                      engine_costs.measure_loaded(draft, pair.draft, "draft", home))
+    costs = engine_costs.to_cost_model(engine_costs.measure_loaded(target, pair.target, "target", home),
+                                       engine_costs.measure_loaded(draft, pair.draft, "draft", home))
+    return dataclasses.replace(costs, draft_prefill_window=pair.draft.prefill_window)
 
 
 __all__ = ["LocalPipeline", "build_local_pipeline", "encode_prompt", "make_decode", "make_encode", "ModelConfig"]
@@ -163,16 +165,17 @@ def with_overlap(pipeline: LocalPipeline, overlap: bool) -> SpeculativeGenerator
     """A generator on the same models and target engine whose draft engine pre-drafts
     (``overlap``) or not: both modes side by side in one process (``disco bench --overlap off,on``)."""
     base = pipeline.generator
-    drafter = _drafter(pipeline.draft, overlap) if pipeline.draft is not None else None
+    window = base.drafter.prefill_window if isinstance(base.drafter, DraftEngine) else 0
+    drafter = _drafter(pipeline.draft, overlap, window) if pipeline.draft is not None else None
     return SpeculativeGenerator(drafter=drafter, verifier=base.verifier, decode=base.decode,
                                 eos_token_ids=base.eos_token_ids, max_new_tokens_limit=base.max_new_tokens_limit,
                                 costs=base.costs, encode=base.encode)
 
 
-def _drafter(draft: LoadedModel, overlap: bool) -> DraftEngine:
+def _drafter(draft: LoadedModel, overlap: bool, prefill_window: int = 0) -> DraftEngine:
     """The draft engine over ``draft`` with the learned policies its artifacts allow."""
     return DraftEngine(draft.model, PolicyFactory(default_learned_loader(draft)), overlap=overlap,
-                       grammar=grammar_compiler(draft))
+                       grammar=grammar_compiler(draft), prefill_window=prefill_window)
 
 
 def grammar_compiler(loaded: LoadedModel) -> GrammarCompiler:

@@ -1,8 +1,9 @@
 """A token sequence plus the KV cache that covers a prefix of it.
 
 Both engines keep one :class:`CachedSequence` per session. Invariant: the cache holds
-exactly ``tokens[:cache_len]``; the rest of ``tokens`` is *pending* and is fed to the
-model by the next :meth:`CachedSequence.forward`. Rolling back to an accepted prefix is
+exactly ``tokens[:cache_len]`` (less the :attr:`~CachedSequence.skipped` prompt tokens, which
+are never fed: a draft's bounded prefill window); the rest of ``tokens`` is *pending* and is
+fed to the model by the next :meth:`CachedSequence.forward`. Rolling back to an accepted prefix is
 :meth:`truncate`, which crops the cache (transformers 5.x ``DynamicCache.crop`` takes
 the negative number of positions to remove).
 
@@ -38,13 +39,17 @@ class CachedSequence:
         capacity: KV positions to preallocate (the prompt plus the session's token budget
             keeps the buffers in place); default: the prompt rounded up, grown by doubling.
         plan: how packed forwards attend (default: the device's, :func:`attention_plan`).
+        skipped: indices of prompt tokens never fed (the draft's prefill window,
+            :func:`prefill_window_skip`): the cache holds the others at consecutive positions.
     """
 
     def __init__(self, model: torch.nn.Module, token_ids: Sequence[int], capacity: int | None = None,
-                 plan: AttentionPlan | None = None) -> None:
+                 plan: AttentionPlan | None = None, skipped: range = range(0)) -> None:
         self.model = model
         self.tokens: list[int] = list(token_ids)
-        self.cache_len = 0
+        assert skipped.step == 1 and skipped.stop < len(self.tokens) or not skipped, (skipped, len(self.tokens))
+        self.skipped = skipped
+        self.cache_len = 0  # tokens covered: fed into the cache, or skipped
         self.device = next(model.parameters()).device
         self.packed = supports_packing(model)  # else: plain HF forwards (no batching)
         self.plan = plan
@@ -56,7 +61,24 @@ class CachedSequence:
 
     @property
     def num_pending(self) -> int:
-        return len(self.tokens) - self.cache_len
+        """Tokens the next forward feeds."""
+        return self.kv_positions(len(self.tokens)) - self.kv_len
+
+    @property
+    def kv_len(self) -> int:
+        """Positions the cache holds."""
+        return self.kv_positions(self.cache_len)
+
+    def kv_positions(self, covered: int) -> int:
+        """Positions the cache holds once ``tokens[:covered]`` are covered (the skipped ones not fed)."""
+        return covered - max(0, min(covered, self.skipped.stop) - self.skipped.start)
+
+    def _fed(self, end: int) -> list[int]:
+        """The tokens a forward up to ``tokens[:end]`` feeds: the pending ones, none skipped."""
+        if self.skipped and self.cache_len < self.skipped.stop:
+            return [token for index, token in enumerate(self.tokens[self.cache_len:end], self.cache_len)
+                    if index not in self.skipped]
+        return self.tokens[self.cache_len:end]
 
     @torch.inference_mode()
     def forward(
@@ -95,7 +117,7 @@ class CachedSequence:
         if self.packed:
             return self.forward_batch([self], [num_logits], [want_hidden])[0]
         end = len(self.tokens) - 1 if num_logits == 0 else len(self.tokens)
-        input_ids = torch.tensor([self.tokens[self.cache_len:end]], dtype=torch.long, device=self.device)
+        input_ids = torch.tensor([self._fed(end)], dtype=torch.long, device=self.device)
         output = self.model(input_ids=input_ids, cache=self.cache, use_cache=True,
                             logits_to_keep=max(1, num_logits), output_hidden_states=want_hidden)
         self.cache_len = end
@@ -109,21 +131,35 @@ class CachedSequence:
                       ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """One packed forward over several sequences of one model (see :meth:`forward`);
         ``num_logits[i] == 0`` prefills sequence i (all tokens but the last, no logits)."""
-        rows = []
+        rows, ends = [], []
         for sequence, count, hidden in zip(sequences, num_logits, want_hidden):
             assert 0 <= count <= sequence.num_pending, (count, sequence.num_pending)
             end = len(sequence.tokens) - 1 if count == 0 else len(sequence.tokens)
-            rows.append(SessionRows(sequence.cache, sequence.cache_len, sequence.tokens[sequence.cache_len:end],
-                                    count, hidden))
+            rows.append(SessionRows(sequence.cache, sequence.kv_len, sequence._fed(end), count, hidden))
+            ends.append(end)
         results = packed_forward(sequences[0].model, rows, sequences[0].plan)
-        for sequence, row in zip(sequences, rows):
-            sequence.cache_len += len(row.tokens)
+        for sequence, end in zip(sequences, ends):
+            sequence.cache_len = end
         return results
 
     def truncate(self, length: int) -> None:
-        """Keep ``tokens[:length]`` and drop cache entries beyond it."""
-        assert 0 <= length <= len(self.tokens)
+        """Keep ``tokens[:length]`` and drop cache entries beyond it (never into the skipped tokens)."""
+        assert self.skipped.stop <= length <= len(self.tokens) or not self.skipped and 0 <= length <= len(self.tokens)
         del self.tokens[length:]
         if self.cache_len > length:
-            self.cache.crop(-(self.cache_len - length))
+            self.cache.crop(-(self.kv_len - self.kv_positions(length)))
             self.cache_len = length
+
+
+#: A bounded prefill window keeps the prompt's first tokens too: models put much attention on
+#: them whatever the text (the "attention sinks" of StreamingLLM, arXiv 2309.17453).
+SINK_TOKENS = 4
+
+
+def prefill_window_skip(prompt_tokens: int, window: int) -> range:
+    """The prompt tokens a draft with a prefill ``window`` skips: all but the first
+    :data:`SINK_TOKENS` and the last ``window - SINK_TOKENS`` (``window`` 0: none)."""
+    if window <= 0 or prompt_tokens <= window:
+        return range(0)
+    assert window > SINK_TOKENS, window
+    return range(SINK_TOKENS, prompt_tokens - (window - SINK_TOKENS))

@@ -239,13 +239,13 @@ class StaticRunner:
             self._drain()
             for slot, owner in self._owners.items():  # every slot's length: the padding rows write past it
                 sequence = owner()
-                self.caches.lengths[slot] = sequence.cache_len if sequence is not None else 0
-        rows = [SlotRows(sequence.cache.slot, sequence.tokens[sequence.cache_len:]) for sequence in sequences]
+                self.caches.lengths[slot] = sequence.kv_len if sequence is not None else 0
+        rows = [SlotRows(sequence.cache.slot, sequence._fed(len(sequence.tokens))) for sequence in sequences]
         logits = self.steps.run(rows)  # the smallest bucket by sessions, not slot numbers
         results = []
         for sequence, row, count, slot_logits in zip(sequences, rows, num_logits, logits):
-            sequence.cache_len += len(row.tokens)
-            sequence.cache.set_length(sequence.cache_len)
+            sequence.cache_len = len(sequence.tokens)
+            sequence.cache.set_length(sequence.kv_len)
             results.append((slot_logits[len(row.tokens) - count:], None))
         return results
 

@@ -116,6 +116,9 @@ def load_model(config: ModelConfig, role: str, home: Path, progress: bool = True
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     config.validate()
+    for what, value in (("a vocabulary subset", config.vocab_subset), ("a prefill window", config.prefill_window)):
+        if value and role != "draft":  # refused before the weights load
+            raise ModelError(f"{what} is for the draft only, not the {role}")
     hub_kernels.keep_off()  # before any from_pretrained (entry points set it too)
     start = time.perf_counter()
     location, name, is_hub = resolve_location(config.spec, role, home, progress)
@@ -132,8 +135,6 @@ def load_model(config: ModelConfig, role: str, home: Path, progress: bool = True
     model.eval()
     hub_kernels.check_model(model, name)
     if config.vocab_subset:  # before the kernel and the row plans: the new head gets them too
-        if role != "draft":
-            raise ModelError(f"a vocabulary subset is for the draft only, not the {role}")
         special = [*_eos_token_ids(model, tokenizer), *tokenizer.all_special_ids]
         try:
             logger.info("%s model %s: %s", role, name, use_vocab_subset(model, config.vocab_subset, special))

@@ -37,12 +37,18 @@ class CostModel:
     source: str = ""
     t_draft_prefill: float = 0.0  # seconds per prompt token of the draft's prefill (0: not known)
     extra: dict = field(default_factory=dict, compare=False)
+    draft_prefill_window: int = 0  # prompt tokens the draft prefills at most (its prefill window); 0: all
 
     def __post_init__(self) -> None:
         if (self.t_draft < 0 or self.t_rtt < 0 or self.t_draft_prefill < 0 or not self.t_verify
-                or any(v <= 0 for v in self.t_verify)):
-            raise InvalidRequest("cost model needs t_draft >= 0, t_rtt >= 0, t_draft_prefill >= 0 and positive "
-                                 "t_verify values")
+                or any(v <= 0 for v in self.t_verify) or self.draft_prefill_window < 0):
+            raise InvalidRequest("cost model needs t_draft >= 0, t_rtt >= 0, t_draft_prefill >= 0, positive "
+                                 "t_verify values and draft_prefill_window >= 0")
+
+    def draft_prefill(self, prompt_tokens: int) -> float:
+        """Seconds of the draft's prefill of a ``prompt_tokens`` prompt (at most its window's tokens)."""
+        window = self.draft_prefill_window
+        return (min(prompt_tokens, window) if window else prompt_tokens) * self.t_draft_prefill
 
     def verify(self, k: int) -> float:
         if k < len(self.t_verify):
@@ -74,21 +80,23 @@ class CostModel:
     @staticmethod
     def from_forward_costs(draft_forward_s: Sequence[float], target_forward_s: Sequence[float], t_rtt: float = 0.0,
                            source: str = "", extra: dict | None = None,
-                           draft_prefill_s_per_token: float = 0.0) -> "CostModel":
+                           draft_prefill_s_per_token: float = 0.0, draft_prefill_window: int = 0) -> "CostModel":
         """The cost model of measured forwards (the one way measurements become one):
         ``t_draft`` a one-token draft forward (``draft_forward_s[0]``), ``t_verify[k]`` the
         target forward over ``k + 1`` new tokens (``target_forward_s[k]``), ``t_draft_prefill``
-        the draft's prefill per prompt token."""
+        the draft's prefill per prompt token (of at most ``draft_prefill_window`` tokens; 0: all)."""
         return CostModel(t_draft=float(draft_forward_s[0]), t_verify=tuple(float(v) for v in target_forward_s),
                          t_rtt=float(t_rtt), source=source, extra=dict(extra or {}),
-                         t_draft_prefill=float(draft_prefill_s_per_token))
+                         t_draft_prefill=float(draft_prefill_s_per_token),
+                         draft_prefill_window=int(draft_prefill_window))
 
     def with_rtt(self, t_rtt: float) -> "CostModel":
         return replace(self, t_rtt=float(t_rtt), source=f"{self.source} (rtt {t_rtt * 1000:g} ms)")
 
     def to_json(self) -> dict:
         return {"t_draft": self.t_draft, "t_verify": list(self.t_verify), "t_rtt": self.t_rtt,
-                "t_draft_prefill": self.t_draft_prefill, "source": self.source,
+                "t_draft_prefill": self.t_draft_prefill, "draft_prefill_window": self.draft_prefill_window,
+                "source": self.source,
                 "target_only_token": self.target_only_token, **self.extra}
 
     @staticmethod
@@ -96,7 +104,8 @@ class CostModel:
         try:
             return CostModel(t_draft=float(data["t_draft"]), t_verify=tuple(float(v) for v in data["t_verify"]),
                              t_rtt=float(data.get("t_rtt", 0.0)), source=str(data.get("source", "")),
-                             t_draft_prefill=float(data.get("t_draft_prefill", 0.0)))
+                             t_draft_prefill=float(data.get("t_draft_prefill", 0.0)),
+                             draft_prefill_window=int(data.get("draft_prefill_window", 0)))
         except (KeyError, TypeError, ValueError) as error:
             raise InvalidRequest(f"malformed cost model: {error}") from None
 

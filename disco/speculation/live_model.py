@@ -71,6 +71,7 @@ def live_cost_model(calibrated: CostModel, target_live: Sequence[float], draft_l
     # cost is its prompt's, not a step's).
     prefill_scale = draft(sessions) / calibrated.t_draft if calibrated.t_draft > 0 else 1.0
     return CostModel(t_draft=draft(sessions), t_draft_prefill=calibrated.t_draft_prefill * prefill_scale,
+                     draft_prefill_window=calibrated.draft_prefill_window,
                      t_verify=tuple(target(sessions * (k + 1)) for k in range(len(calibrated.t_verify))),
                      t_rtt=calibrated.t_rtt, source=f"{calibrated.source}, {observed}, {sessions} session(s)",
                      extra={**calibrated.extra, "sessions": sessions})

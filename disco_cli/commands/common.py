@@ -37,6 +37,14 @@ def add_vocab_subset_arg(parser: argparse.ArgumentParser | argparse._ArgumentGro
                              "is unchanged); 0: all (default)")
 
 
+def add_prefill_window_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flag: str) -> None:
+    """The draft's prefill window (:func:`disco.engines.kv.prefill_window_skip`), 0 (default): the whole prompt."""
+    parser.add_argument(flag, type=int, default=0, metavar="N",
+                        help="the draft reads at most N prompt tokens: the first 4 and the last N-4 (a long "
+                             "prompt's draft prefill costs N tokens; the target still reads the whole prompt, so "
+                             "the output is unchanged, acceptance may drop); 0: the whole prompt (default)")
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     """``--target/--draft/--dtype/--device``; omitted models mean the default pair."""
     group = parser.add_argument_group("models")
@@ -48,6 +56,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--draft-dtype", default=None, choices=list(DTYPE_CHOICES),
                        help="the draft's engine, where it should differ from --dtype")
     add_vocab_subset_arg(group, "--draft-vocab")
+    add_prefill_window_arg(group, "--draft-window")
     group.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
 
 
@@ -56,7 +65,8 @@ def pair_config_from_args(args: argparse.Namespace) -> PairConfig:
     pair = PairConfig(
         target=ModelConfig(spec=args.target, dtype=dtype_from_args(args, "target"), device=args.device),
         draft=ModelConfig(spec=args.draft, dtype=dtype_from_args(args, "draft"), device=args.device,
-                          vocab_subset=getattr(args, "draft_vocab", 0)),
+                          vocab_subset=getattr(args, "draft_vocab", 0),
+                          prefill_window=getattr(args, "draft_window", 0)),
     )
     pair.target.validate()
     pair.draft.validate()

@@ -27,6 +27,7 @@ from disco_cli.commands.common import (
     add_model_args,
     add_operations_args,
     add_server_security_args,
+    add_prefill_window_arg,
     add_vocab_subset_arg,
     backend_security_from_args,
     dtype_from_args,
@@ -72,6 +73,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             _add_artifact_dir_arg(parser)
             add_overlap_arg(parser)
             add_vocab_subset_arg(parser, "--vocab-subset")
+            add_prefill_window_arg(parser, "--prefill-window")
         parser.set_defaults(func=_run_backend, role=role)
 
     parser = subparsers.add_parser("orchestrator", help="run the public orchestrator over a draft and a target service")
@@ -186,7 +188,8 @@ def _run_backend(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     config = ModelConfig(spec=args.model, dtype=dtype_from_args(args, args.role), device=args.device,
-                         vocab_subset=getattr(args, "vocab_subset", 0))
+                         vocab_subset=getattr(args, "vocab_subset", 0),
+                         prefill_window=getattr(args, "prefill_window", 0))
     config.validate()
     loaded, costs = _load_and_measure(config, args.role, measure=not args.no_engine_costs)
     limits = SessionLimits(max_sessions=args.max_sessions, idle_ttl_s=args.idle_ttl, max_kv_bytes=args.max_kv_bytes,
@@ -198,7 +201,7 @@ def _run_backend(args: argparse.Namespace) -> int:
     if args.role == "draft":
         running = draft_service.server.serve(
             loaded, artifact_dirs=args.artifact_dir or [disco_home() / "artifacts"], overlap=overlap_from_args(args),
-            **options)
+            prefill_window=config.prefill_window, **options)
     else:
         running = target_service.server.serve(loaded, **options)
     if running.metrics is not None:

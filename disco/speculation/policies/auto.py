@@ -93,13 +93,14 @@ def best_lookahead(cost: CostModel, acceptance: float, max_lookahead: int) -> tu
 def request_speedup(cost: CostModel, max_lookahead: int, prompt_tokens: int, new_tokens: int) -> float:
     """Expected tokens/s of a request that drafts over the same request target-only: the best
     lookahead's speedup at :data:`OPTIMISTIC_ACCEPTANCE` over ``new_tokens`` tokens, with the
-    draft's prefill of ``prompt_tokens`` paid once (``cost.t_draft_prefill`` per token). The
+    draft's prefill of ``prompt_tokens`` paid once (:meth:`CostModel.draft_prefill`: per token, up to
+    the draft's prefill window). The
     token budget is an upper bound (a request may stop early), so this stays optimistic."""
     speedup = best_lookahead(cost, OPTIMISTIC_ACCEPTANCE, max_lookahead)[1]
     target_only = new_tokens * cost.target_only_token
     if target_only <= 0:
         return 1.0
-    return target_only / (target_only / speedup + prompt_tokens * cost.t_draft_prefill)
+    return target_only / (target_only / speedup + cost.draft_prefill(prompt_tokens))
 
 
 def speculation_pays(cost: CostModel, max_lookahead: int, prompt_tokens: int = 0, new_tokens: int = 0) -> bool:
