@@ -9,6 +9,8 @@ the speculation loop), so the doctor checks what ``disco generate`` and the serv
 - ``load``: both models on the engine, and the batchers' packing verdicts;
 - ``costs``: one-token draft forwards and target forwards over 1..k new tokens after a
   context (:func:`disco.engines.engine_costs.measure_forward_costs`, not cached: the machine now);
+- ``roofline`` (CPU): those forwards against the machine's read bandwidth and int8 peak
+  (:mod:`disco_cli.doctor_roofline`);
 - ``greedy-alone``: speculative output equals target-only output, token for token;
 - ``greedy-batched``: ``sessions`` concurrent requests (one packed forward per step where the
   batcher proves packing exact), target-only and speculative, equal each other and the
@@ -118,8 +120,9 @@ def run_check(name: str, engine: str | None, device: str, body: Callable[[], Che
 
 
 def check_engine(config: DoctorConfig, engine: str, folders: dict[str, str | None], home: Path,
-                 progress: Progress) -> list[CheckResult]:
-    """Every per-engine check of ``engine`` (module docstring); the models are freed afterwards."""
+                 progress: Progress, peaks: Callable[[], object] | None = None) -> list[CheckResult]:
+    """Every per-engine check of ``engine`` (module docstring); the models are freed afterwards.
+    ``peaks``: the machine's (measured once per run, :mod:`disco_cli.doctor_roofline`), on a CPU."""
     from disco.engines.in_process import build_local_pipeline  # noqa: PLC0415 - heavy
 
     pair = PairConfig(target=ModelConfig(spec=folders["target"], dtype=engine, device=config.device),
@@ -146,6 +149,12 @@ def check_engine(config: DoctorConfig, engine: str, folders: dict[str, str | Non
         progress(f"[{engine}] measuring forward costs ...")
         results.append(run_check("costs", engine, config.device,
                                  lambda: costs_check(config, pipeline.target.model, pipeline.draft.model)))
+        if peaks is not None and results[-1].ok:
+            progress(f"[{engine}] the forwards against this machine's roofline ...")
+            costs = results[-1].data
+            results.append(run_check("roofline", engine, config.device, lambda: _roofline(
+                peaks(), pipeline.target.model, pipeline.draft.model, costs["target_forward_ms"],
+                costs["draft_token_ms"])))
         prompts = [encode(pipeline.tokenizer, PROMPTS[i % len(PROMPTS)]) for i in range(config.sessions)]
         alone: dict[str, list[list[int]]] = {}
         progress(f"[{engine}] greedy, {config.alone_prompts} prompts alone: target-only and {config.policy} ...")
@@ -161,6 +170,13 @@ def check_engine(config: DoctorConfig, engine: str, folders: dict[str, str | Non
         del pipeline
         free_memory(config.device)
     return results
+
+
+def _roofline(*args) -> CheckResult:
+    from disco_cli.doctor_roofline import roofline_report  # noqa: PLC0415 - measured only where asked
+
+    detail, data = roofline_report(*args)
+    return CheckResult("", True, detail, data=data)
 
 
 def costs_check(config: DoctorConfig, target: torch.nn.Module, draft: torch.nn.Module) -> CheckResult:

@@ -8,7 +8,7 @@ from disco_cli import doctor_checks
 from disco_cli.main import main
 
 #: The checks every engine gets, in order.
-ENGINE_CHECKS = ["load", "costs", "greedy-alone", "greedy-batched", "sampled"]
+ENGINE_CHECKS = ["load", "costs", "roofline", "greedy-alone", "greedy-batched", "sampled"]
 
 
 def run_doctor(capsys, *argv):
@@ -36,6 +36,12 @@ def test_doctor_json_on_the_tiny_pair_passes_with_the_documented_schema(capsys, 
         costs = by_name["costs", engine]
         assert len(costs["target_forward_ms"]) == 5 and all(ms > 0 for ms in costs["target_forward_ms"])
         assert costs["draft_token_ms"] > 0
+        roofline = by_name["roofline", engine]  # the costs just measured against the machine's floors
+        assert roofline["peaks"]["read_gb_s"] > 0 and roofline["target"]["weight_bytes"] > 0
+        assert [row["measured_ms"] for row in roofline["target"]["rows"]] == pytest.approx(costs["target_forward_ms"])
+        assert roofline["draft"]["token"]["measured_ms"] == pytest.approx(costs["draft_token_ms"])
+        assert roofline["target"]["kernels"] == [engine] if engine in ("float32", "bfloat16") else engine in "".join(
+            roofline["target"]["kernels"]) or "q4q8" in "".join(roofline["target"]["kernels"])
         alone = by_name["greedy-alone", engine]
         assert alone["identical"] == alone["compared"] == 2 and alone["draft_tokens"] > 0
         assert alone["distinct_reference_tokens"] > 8  # varied output: the comparison can fail

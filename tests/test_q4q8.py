@@ -206,7 +206,8 @@ assert q4q8.load(Path(sys.argv[1]), variant) is None and q4q8.loaded_kernel() ==
 inputs = torch.load(sys.argv[2])
 out = torch.empty(1040, 96, dtype=torch.bfloat16)
 q4q8.dequantize(inputs["packed"], 1040, 96, 0, 1040, out)
-torch.save({"mm": q4q8.mm(inputs["rows"], inputs["packed"], 1040), "dequantized": out}, sys.argv[3])
+torch.save({"mm": q4q8.mm(inputs["rows"], inputs["packed"], 1040), "dequantized": out,
+            "peak_macs": (q4q8.int8_peak(1000), q4q8.int8_peak(2000))}, sys.argv[3])
 """
 
 
@@ -225,6 +226,7 @@ def test_the_avx2_build_computes_the_bits_of_the_vnni_build(ops, tmp_path):
     out = torch.empty(1040, 96, dtype=torch.bfloat16)
     q4q8.dequantize(linear.q4q8_weights, 1040, 96, 0, 1040, out)
     assert torch.equal(avx2["mm"], linear._quantized(rows))
+    assert avx2["peak_macs"][1] == 2 * avx2["peak_macs"][0] > 0  # the roofline's probe builds and runs there too
     assert torch.equal(avx2["dequantized"], out)
 
 

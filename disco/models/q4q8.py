@@ -52,6 +52,8 @@ from torch.utils import cpp_extension
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels") / "q4q8.cpp"
+#: Compiled into the one library: the kernel and its instruction's peak (the roofline's).
+SOURCES = (SOURCE, SOURCE.with_name("int8_peak.cpp"))
 TORCH_KERNEL = "int4pack"
 _COMMON_CFLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-w")
 #: The kernel must measure at most this fraction of torch's time to be chosen (a near-tie
@@ -156,7 +158,7 @@ def amx_refused() -> str:
 
 def build_key(variant: Variant) -> str:
     """A hash of what the built library depends on: source, flags, torch, compiler."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
     digest.update(" ".join(_COMMON_CFLAGS + variant.cflags).encode())
     digest.update(torch.__version__.encode())
     digest.update(str(torch._C._GLIBCXX_USE_CXX11_ABI).encode())
@@ -199,7 +201,7 @@ def _compile(compiler: str, variant: Variant, library: Path) -> None:
     command = [compiler, *_COMMON_CFLAGS, *variant.cflags,
                f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
                f'-DDISCO_Q4Q8_VARIANT="{variant.kernel}"',
-               *[f"-I{path}" for path in cpp_extension.include_paths()], str(SOURCE), "-o", str(partial),
+               *[f"-I{path}" for path in cpp_extension.include_paths()], *map(str, SOURCES), "-o", str(partial),
                *[f"-L{path}" for path in cpp_extension.library_paths()], "-lc10", "-ltorch_cpu"]
     logger.info("building the %s kernel (once; ~10 s) into %s ...", variant.kernel, library.parent)
     started = time.perf_counter()
@@ -242,6 +244,13 @@ def mm(rows: torch.Tensor,  # bf16 [n, in_features], contiguous
        packed: torch.Tensor,  # uint8, from :func:`pack`
        out_features: int) -> torch.Tensor:  # bf16 [n, out_features]
     return torch.ops.disco_q4q8.mm(rows, packed, out_features)
+
+
+def int8_peak(iterations: int) -> int:
+    """Run the loaded build's dot-product instruction ``iterations`` rounds on every intra-op
+    thread, operands in registers (``kernels/int8_peak.cpp``); returns the multiply-adds
+    issued. The caller times it: :func:`disco.engines.roofline.measure_int8_peak`."""
+    return torch.ops.disco_q4q8.int8_peak(iterations)
 
 
 def dequantize(packed: torch.Tensor,  # uint8, from :func:`pack`

@@ -87,8 +87,9 @@ def run(args: argparse.Namespace) -> int:
         with tempfile.TemporaryDirectory(prefix="disco_doctor_") as scratch:
             folders, home = _models(args, Path(scratch), checks)
             if folders is not None:
+                peaks = _peaks(home) if config.device == "cpu" else None
                 for engine in config.engines:
-                    checks.extend(check_engine(config, engine, folders, home, _progress))
+                    checks.extend(check_engine(config, engine, folders, home, _progress, peaks))
     report = {"ok": all(check.ok for check in checks), "device": config.device, "models": models,
               "wall_s": round(time.perf_counter() - started, 1), "checks": [check.to_json() for check in checks]}
     if args.json:
@@ -121,6 +122,21 @@ def _models(args: argparse.Namespace, scratch: Path, checks: list[CheckResult]) 
         data=write_random_pair(scratch / "models")))
     checks.append(result)
     return ({role: result.data[role] for role in ("target", "draft")} if result.ok else None), scratch / "home"
+
+
+def _peaks(home: Path):
+    """The machine's roofline peaks, measured at first use and kept for the run."""
+    measured: list = []
+
+    def peaks():
+        if not measured:
+            from disco.engines.roofline import measure_peaks  # noqa: PLC0415 - torch
+
+            _progress("measuring this machine's read bandwidth and int8 peak ...")
+            measured.append(measure_peaks(home))
+        return measured[0]
+
+    return peaks
 
 
 def format_report(report: dict) -> str:
