@@ -158,11 +158,15 @@ inline __m512 group_epilogue(__m512 acc, __m512i dot, int32_t offset, float dx, 
   return _mm512_fmadd_ps(zero, _mm512_set1_ps(sum), acc);
 }
 
-// Rows [row0, row0 + tile) x output block `block`: float32 results into out_block[tile][16].
-inline void block_rows(const uint8_t* weights, const QuantizedRows& xq, int64_t row0, int64_t tile,
-                       int64_t groups, int64_t in_features, float* out_block) {
-  __m512 acc[kRowTile];
-  for (int64_t t = 0; t < tile; ++t) acc[t] = _mm512_setzero_ps();
+// Rows [row0, row0 + Tile) x output block `block`: float32 results into out_block[Tile][16].
+// The rows' integer dot products advance together, one VPDPBUSD per row and 4 inputs, so Tile
+// independent chains are in flight (a row's 8 products one after the other would wait on each
+// other's latency); the integer sums are exact, so the order changes no bit.
+template <int Tile>
+inline void block_rows_of(const uint8_t* weights, const QuantizedRows& xq, int64_t row0, int64_t groups,
+                          int64_t in_features, float* out_block) {
+  __m512 acc[Tile];
+  for (int t = 0; t < Tile; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* group = weights + g * kGroupBytes;
     for (int64_t line = 0; line < kGroupBytes; line += 64)  // past the end is harmless: a hint never faults
@@ -171,18 +175,35 @@ inline void block_rows(const uint8_t* weights, const QuantizedRows& xq, int64_t 
     unpack_group(group, nibbles);
     const __m512 scale = load_bf16x16(group + 256);
     const __m512 zero = load_bf16x16(group + 256 + 32);
-    for (int64_t t = 0; t < tile; ++t) {
-      const int64_t r = row0 + t;
-      const int8_t* xr = xq.values.data() + r * in_features + g * kGroup;
-      int32_t words[8];
-      std::memcpy(words, xr, sizeof(words));
-      __m512i dot = _mm512_setzero_si512();
-      for (int w = 0; w < 8; ++w) dot = _mm512_dpbusd_epi32(dot, nibbles[w], _mm512_set1_epi32(words[w]));
-      acc[t] = group_epilogue(acc[t], dot, xq.offsets[r * groups + g], xq.scales[r * groups + g],
-                              xq.sums[r * groups + g], scale, zero);
+    const int8_t* xr = xq.values.data() + row0 * in_features + g * kGroup;
+    __m512i dot[Tile];
+    for (int t = 0; t < Tile; ++t) dot[t] = _mm512_setzero_si512();
+    for (int w = 0; w < 8; ++w)
+      for (int t = 0; t < Tile; ++t) {
+        int32_t word;
+        std::memcpy(&word, xr + t * in_features + 4 * w, sizeof(word));
+        dot[t] = _mm512_dpbusd_epi32(dot[t], nibbles[w], _mm512_set1_epi32(word));
+      }
+    for (int t = 0; t < Tile; ++t) {
+      const int64_t i = (row0 + t) * groups + g;
+      acc[t] = group_epilogue(acc[t], dot[t], xq.offsets[i], xq.scales[i], xq.sums[i], scale, zero);
     }
   }
-  for (int64_t t = 0; t < tile; ++t) _mm512_storeu_ps(out_block + t * kLanes, acc[t]);
+  for (int t = 0; t < Tile; ++t) _mm512_storeu_ps(out_block + t * kLanes, acc[t]);
+}
+
+inline void block_rows(const uint8_t* weights, const QuantizedRows& xq, int64_t row0, int64_t tile,
+                       int64_t groups, int64_t in_features, float* out_block) {
+  switch (tile) {
+    case 1: return block_rows_of<1>(weights, xq, row0, groups, in_features, out_block);
+    case 2: return block_rows_of<2>(weights, xq, row0, groups, in_features, out_block);
+    case 3: return block_rows_of<3>(weights, xq, row0, groups, in_features, out_block);
+    case 4: return block_rows_of<4>(weights, xq, row0, groups, in_features, out_block);
+    case 5: return block_rows_of<5>(weights, xq, row0, groups, in_features, out_block);
+    case 6: return block_rows_of<6>(weights, xq, row0, groups, in_features, out_block);
+    case 7: return block_rows_of<7>(weights, xq, row0, groups, in_features, out_block);
+    default: return block_rows_of<kRowTile>(weights, xq, row0, groups, in_features, out_block);
+  }
 }
 
 #if defined(__AMX_INT8__)
