@@ -77,6 +77,8 @@ def test_the_probes_keep_the_best_repeat_on_an_injected_clock():
         pytest.skip("no q4 x q8 build on this CPU")
     macs = q4q8.int8_peak(100)
     assert q4q8.int8_peak(200) == 2 * macs > 0
+    group = q4q8.int8_group_peak(100)  # the kernel's instruction mix (VNNI builds; -1 elsewhere)
+    assert group == -1 and q4q8.loaded_kernel() == "q4q8-avx2" or q4q8.int8_group_peak(200) == 2 * group > 0
     ticks = itertools.chain([0.0, 2.0, 5.0, 6.0], itertools.count(100.0, 4.0))
     assert measure_int8_peak(1, iterations=100, repeats=2, clock=lambda: next(ticks)) == macs / 1.0
 
@@ -86,4 +88,5 @@ def test_measured_peaks_are_positive_and_said_in_one_line():
     assert peaks.threads == 1 and peaks.read_gb_s > 0
     if q4q8.cpu_supports() and q4q8.ops_loaded():
         assert peaks.int8_gmac_s > 0 and peaks.instruction == q4q8.loaded_kernel()
+        assert (peaks.int8_group_gmac_s is None) == (peaks.instruction == "q4q8-avx2")
     assert "GB/s" in peaks.describe() and peaks.to_json()["threads"] == 1

@@ -10,7 +10,9 @@ multiply-adds at the peak. Measured here, for the threads in use:
   (float32: torch's reduction streams it with vector loads on every thread);
 * **int8 peak**: the q4 x q8 kernel's own instruction (VPDPBUSD, or VPMADDUBSW + VPMADDWD on
   AVX2) issued on every thread with operands in registers (``kernels/int8_peak.cpp``), the
-  best of a few short bursts.
+  best of a few short bursts; on VNNI builds also with the kernel's float step after every
+  group of 32 inputs (``sub, cvt, mul, fma, fma`` per row and 16 channels): the ceiling the
+  kernel's extra rows can reach with its format (Zen 4: ~68% of the instruction's peak).
 
 :func:`forward_work` counts what one forward of a loaded model reads and multiplies (the
 linears as they run: the q4 x q8 layout, int8 weights and scales, or dense weights; the LM head
@@ -54,15 +56,21 @@ class MachinePeaks:
     read_gb_s: float  # 10^9 bytes per second
     int8_gmac_s: float | None  # 10^9 u8 x s8 multiply-adds per second
     instruction: str
+    #: The same with the kernel's float step after every group of 32 inputs (its instruction
+    #: mix in registers): the ceiling of its extra rows. ``None`` where not measured (AVX2).
+    int8_group_gmac_s: float | None = None
 
     def to_json(self) -> dict:
         return {"threads": self.threads, "read_gb_s": round(self.read_gb_s, 2),
                 "int8_gmac_s": None if self.int8_gmac_s is None else round(self.int8_gmac_s, 1),
+                "int8_group_gmac_s": None if self.int8_group_gmac_s is None else round(self.int8_group_gmac_s, 1),
                 "instruction": self.instruction}
 
     def describe(self) -> str:
         peak = f"int8 peak {self.int8_gmac_s:.0f} G multiply-adds/s ({self.instruction})" \
             if self.int8_gmac_s is not None else "no int8 kernel build here"
+        if self.int8_gmac_s and self.int8_group_gmac_s:
+            peak += f", {self.int8_group_gmac_s / self.int8_gmac_s:.0%} of it with a float step per group"
         return f"read {self.read_gb_s:.1f} GB/s, {peak}, {self.threads} threads"
 
 
@@ -122,17 +130,20 @@ def measure_read_bandwidth(threads: int, nbytes: int = BANDWIDTH_BYTES, repeats:
 
 
 def measure_int8_peak(threads: int, iterations: int = PEAK_ITERATIONS, repeats: int = PROBE_REPEATS,
-                      clock: Clock = time.perf_counter) -> float | None:
+                      clock: Clock = time.perf_counter, probe: Callable[[int], int] | None = None) -> float | None:
     """Multiply-adds per second of the loaded q4 x q8 build's instruction on ``threads``
-    threads (the best of ``repeats``), or ``None`` where no build is loaded."""
+    threads (the best of ``repeats``), or ``None`` where no build is loaded or the ``probe``
+    (default :func:`disco.models.q4q8.int8_peak`) does not run on this build."""
     if not q4q8.ops_loaded():
         return None
+    probe = probe or q4q8.int8_peak
     with _threads(threads):
-        q4q8.int8_peak(max(1, iterations // 10))  # the pool's threads started before timing
+        if probe(max(1, iterations // 10)) < 0:  # also starts the pool's threads before timing
+            return None
         best = 0.0
         for _ in range(repeats):
             started = clock()
-            macs = q4q8.int8_peak(iterations)
+            macs = probe(iterations)
             best = max(best, macs / max(clock() - started, 1e-9))
     return best
 
@@ -144,9 +155,11 @@ def measure_peaks(home: Path, threads: int | None = None, clock: Clock = time.pe
     if not q4q8.ops_loaded() and q4q8.cpu_supports():
         q4q8.load(home)  # where it cannot, the int8 peak is None (no kernel to measure)
     peak = measure_int8_peak(threads, clock=clock)
+    group = None if peak is None else measure_int8_peak(threads, PEAK_ITERATIONS // 8, clock=clock,
+                                                        probe=q4q8.int8_group_peak)
     instruction = "" if peak is None else q4q8.loaded_kernel()
     return MachinePeaks(threads, measure_read_bandwidth(threads, clock=clock) / 1e9,
-                        None if peak is None else peak / 1e9, instruction)
+                        None if peak is None else peak / 1e9, instruction, None if group is None else group / 1e9)
 
 
 def forward_work(model: nn.Module) -> ForwardWork:

@@ -253,6 +253,12 @@ def int8_peak(iterations: int) -> int:
     return torch.ops.disco_q4q8.int8_peak(iterations)
 
 
+def int8_group_peak(iterations: int) -> int:
+    """:func:`int8_peak` with the kernel's float step after every group of 32 inputs (8 rows x
+    16 channels a round); ``-1`` on builds without AVX-512 VNNI."""
+    return torch.ops.disco_q4q8.int8_group_peak(iterations)
+
+
 def dequantize(packed: torch.Tensor,  # uint8, from :func:`pack`
                out_features: int, in_features: int, start: int, end: int,
                out: torch.Tensor,  # float32 or bf16 [end - start, in_features], written in place
