@@ -29,16 +29,21 @@ from disco.config import ModelConfig
 from disco.engines.engine_costs import CostRequest, measure_forward_costs
 from disco.engines.roofline import ForwardWork, distances, extra_row_fraction, forward_work, measure_peaks
 from disco.models import q4q8
+from disco.models.architectures import default_pair_architectures
 from disco.models.loading import disco_home, load_model
 
-SHAPES = {  # (out_features, in_features) of the default pair's linears, and how many of it one forward runs
-    "target": {"q/o 1536x1536": ((1536, 1536), 2 * 28), "k/v 256x1536": ((256, 1536), 2 * 28),
-               "gate/up 8960x1536": ((8960, 1536), 2 * 28), "down 1536x8960": ((1536, 8960), 28),
-               "lm_head 151936x1536": ((151936, 1536), 1)},
-    "draft": {"q/o 896x896": ((896, 896), 2 * 24), "k/v 128x896": ((128, 896), 2 * 24),
-              "gate/up 4864x896": ((4864, 896), 2 * 24), "down 896x4864": ((896, 4864), 24),
-              "lm_head 151936x896": ((151936, 896), 1)},
-}
+
+
+def shapes(architecture) -> dict:
+    """``{label: ((out_features, in_features), calls per forward)}`` of a Qwen2 architecture's linears."""
+    hidden, inner, layers = architecture.hidden_size, architecture.intermediate_size, architecture.num_hidden_layers
+    kv = hidden // architecture.num_attention_heads * architecture.num_key_value_heads
+    return {f"q/o {hidden}x{hidden}": ((hidden, hidden), 2 * layers), f"k/v {kv}x{hidden}": ((kv, hidden), 2 * layers),
+            f"gate/up {inner}x{hidden}": ((inner, hidden), 2 * layers), f"down {hidden}x{inner}": ((hidden, inner), layers),
+            f"lm_head {architecture.vocab_size}x{hidden}": ((architecture.vocab_size, hidden), 1)}
+
+
+SHAPES = {role: shapes(architecture) for role, architecture in default_pair_architectures().items()}
 ROWS = tuple(range(1, 9))
 
 
