@@ -176,17 +176,22 @@ inline void block_rows_of(const uint8_t* weights, const QuantizedRows& xq, int64
     const __m512 scale = load_bf16x16(group + 256);
     const __m512 zero = load_bf16x16(group + 256 + 32);
     const int8_t* xr = xq.values.data() + row0 * in_features + g * kGroup;
-    __m512i dot[Tile];
-    for (int t = 0; t < Tile; ++t) dot[t] = _mm512_setzero_si512();
+    // Split: few rows split each row's 8 products over independent partial sums as well.
+    constexpr int kSplit = Tile == 1 ? 4 : Tile < 4 ? 2 : 1;
+    __m512i dot[Tile * kSplit];
+    for (int c = 0; c < Tile * kSplit; ++c) dot[c] = _mm512_setzero_si512();
     for (int w = 0; w < 8; ++w)
       for (int t = 0; t < Tile; ++t) {
         int32_t word;
         std::memcpy(&word, xr + t * in_features + 4 * w, sizeof(word));
-        dot[t] = _mm512_dpbusd_epi32(dot[t], nibbles[w], _mm512_set1_epi32(word));
+        __m512i& chain = dot[t * kSplit + w % kSplit];
+        chain = _mm512_dpbusd_epi32(chain, nibbles[w], _mm512_set1_epi32(word));
       }
+    for (int t = 0; t < Tile; ++t)
+      for (int c = 1; c < kSplit; ++c) dot[t * kSplit] = _mm512_add_epi32(dot[t * kSplit], dot[t * kSplit + c]);
     for (int t = 0; t < Tile; ++t) {
       const int64_t i = (row0 + t) * groups + g;
-      acc[t] = group_epilogue(acc[t], dot[t], xq.offsets[i], xq.scales[i], xq.sums[i], scale, zero);
+      acc[t] = group_epilogue(acc[t], dot[t * kSplit], xq.offsets[i], xq.scales[i], xq.sums[i], scale, zero);
     }
   }
   for (int t = 0; t < Tile; ++t) _mm512_storeu_ps(out_block + t * kLanes, acc[t]);
