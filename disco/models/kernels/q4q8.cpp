@@ -48,8 +48,10 @@ constexpr int64_t kLanes = 16;
 constexpr int64_t kGroupBytes = 4 * 64 + 2 * kLanes * 2;  // nibbles + bf16 scales + bf16 zeros
 constexpr int64_t kRowTile = 8;                           // rows sharing one pass over the weights
 // Groups ahead of the one multiplied whose weights are prefetched: a one-token forward of the
-// 1.5B target read its 0.97 GB of int4 weights in 48 ms with 2 (51.8 without; 1 and 3 between).
-constexpr int64_t kPrefetchGroups = 2;
+// 1.5B target read its 0.97 GB of int4 weights in 48 ms with 2 (51.8 without; 1 and 3 between;
+// AMX Xeon, 2 threads). After rows' products were split over independent sums (Zen 4, one
+// thread, one row over 85 MB): 0 4.15-4.32 ms, 2 4.29-4.71, 4 3.91-3.93, 8 4.18-5.21.
+constexpr int64_t kPrefetchGroups = 4;
 // Groups of activations quantized per thread at least (~7 us): a call's rows of 1536 inputs
 // stay on one thread, rows of 8960 (the MLP's down projection: ~8 us a row) are split.
 constexpr int64_t kQuantizeGrain = 256;
