@@ -71,7 +71,7 @@ def test_doctor_table_and_a_failing_check_exit_non_zero(capsys, tiny_pair_dirs, 
     lines = {line.split()[0]: line for line in out.splitlines()[2:-1]}
     assert " FAIL " in lines["greedy-alone"] and " FAIL " in lines["greedy-batched"]
     assert " ok " in lines["load"] and " ok " in lines["sampled"]
-    assert out.splitlines()[-1].startswith("FAILED: 2 of 7 checks (greedy-alone[float32], greedy-batched[float32])")
+    assert out.splitlines()[-1].startswith("FAILED: 2 of 8 checks (greedy-alone[float32], greedy-batched[float32])")
 
 
 def test_doctor_refuses_a_pair_with_different_vocabularies(capsys, tmp_path, tiny_pair_dirs):
