@@ -55,6 +55,11 @@ constexpr int64_t kPrefetchGroups = 4;
 // Groups of activations quantized per thread at least (~7 us): a call's rows of 1536 inputs
 // stay on one thread, rows of 8960 (the MLP's down projection: ~8 us a row) are split.
 constexpr int64_t kQuantizeGrain = 256;
+// Block x group x row products per thread at least (~10 us on one Zen 4 core): below it the
+// intra-op pool's fork and join (~4-8 us) cost more than a second thread saves. Two threads against
+// one (Zen 4, wall, best of 30, three runs; the host was noisy): 128x896 at 1 row 9.4-12.7 / 5.5-8.5 us,
+// 256x1536 at 1 row 12.9-18.2 / 9.2-13.6; 896x896 at 1 row (1568 products) about even: still split.
+constexpr int64_t kMinThreadWork = 1500;
 #if defined(__AMX_INT8__)
 constexpr int64_t kAmxTileRows = 8;  // rows of one AMX row tile: a pair of groups fills 16 tile rows
 constexpr int64_t kAmxPassTiles = 2; // row tiles sharing one pass over a block's weights
@@ -465,7 +470,10 @@ at::Tensor q4q8_mm(const at::Tensor& x, const at::Tensor& weights, int64_t out_f
     return out;
   }
 #endif
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+  // Each thread gets at least kMinThreadWork block x group x row products: a call too small to
+  // split runs on the calling thread (the blocks are independent: the same bits either way).
+  const int64_t grain = std::max<int64_t>(1, kMinThreadWork / (groups * rows));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     float tile_out[kRowTile * kLanes];
     for (int64_t block = begin; block < end; ++block) {
       const uint8_t* block_weights = packed + block * groups * kGroupBytes;
