@@ -37,6 +37,7 @@ use_token_auth(generate=True)  # as tests/test_ray_deploy.py: the same process m
 use_loopback()  # every node of the cluster below on 127.0.0.1, and this driver connects there
 ray = pytest.importorskip("ray")
 
+from ray._common.utils import get_default_ray_temp_dir  # noqa: E402
 from ray._private import ray_constants  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
@@ -49,6 +50,7 @@ from protos.disco.v1 import common_pb2, target_pb2_grpc  # noqa: E402
 from protos.runtime.auth import BACKEND_TOKEN_ENV, auth_metadata  # noqa: E402
 from tests import helpers  # noqa: E402
 from tests.helpers import PROMPTS, target_only_tokens  # noqa: E402
+from tests.ray_nodes import descendants, start_with_retries  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -70,6 +72,7 @@ FAST_FAILURE_DETECTION = {"health_check_period_ms": 1000, "health_check_failure_
 #: (``ray/_private/node.py``, not configurable): on a loaded 2-core machine (beside busy processes
 #: and other tests) adding a node took longer, and every test here failed at setup (issue 46).
 RAYLET_REGISTRATION_S = 180.0
+RAY_TEMP_DIR = Path(get_default_ray_temp_dir())  # where each start's session logs go
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -106,7 +109,8 @@ class MultiNode:
     timings: dict = field(default_factory=dict)
 
     def add_node(self, role: str) -> str:
-        node = self.cluster.add_node(**NODE, resources=ROLE_RESOURCES[role])
+        node = start_with_retries(lambda: self.cluster.add_node(**NODE, resources=ROLE_RESOURCES[role]),
+                                  f"a {role} node", RAY_TEMP_DIR)
         self.nodes[node.node_id], self.roles[node.node_id] = node, role
         return node.node_id
 
@@ -118,7 +122,7 @@ class MultiNode:
         node = self.nodes.pop(node_id)
         raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
         os.kill(raylet, signal.SIGSTOP)  # no new workers while we collect them
-        for pid in _descendants(raylet):
+        for pid in descendants(raylet):
             os.kill(pid, signal.SIGKILL)
         self.cluster.remove_node(node, allow_graceful=False)
 
@@ -136,7 +140,7 @@ def _listening(nodes: list) -> set[tuple[str, int]]:
 
     pids = {info.process.pid for node in nodes for infos in node.all_processes.values() for info in infos}
     found = set()
-    for pid in pids | {child for pid in pids for child in _descendants(pid)}:
+    for pid in pids | {child for pid in pids for child in descendants(pid)}:
         try:
             connections = psutil.Process(pid).net_connections(kind="inet")
         except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -145,34 +149,15 @@ def _listening(nodes: list) -> set[tuple[str, int]]:
     return found
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every live process below ``pid`` (from /proc: children first found, then theirs)."""
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parent = int(stat.rsplit(")", 1)[1].split()[1])
-            parents.setdefault(parent, []).append(int(entry.name))
-    found, frontier = [], [pid]
-    while frontier:
-        children = parents.get(frontier.pop(), [])
-        found.extend(children)
-        frontier.extend(children)
-    return found
-
-
 @pytest.fixture(scope="module")
 def multinode():
     if ray.is_initialized():
         ray.shutdown()
     started = time.monotonic()
-    cluster = Cluster(initialize_head=True, head_node_args={
+    cluster = start_with_retries(lambda: Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "object_store_memory": 80 * 2**20, "_system_config": FAST_FAILURE_DETECTION,
         "node_ip_address": LOOPBACK, "include_dashboard": True, "dashboard_host": LOOPBACK,
-        "dashboard_port": free_port()})  # the dashboard serves Ray's state API (list_actors) to the tests
+        "dashboard_port": free_port()}), "the head node", RAY_TEMP_DIR)  # the dashboard serves Ray's state API
     deployment = MultiNode(cluster, {}, {}, disco_home())  # where `disco up` (the CLI) records the deployment
     for role in ("target", "target", "draft", "draft"):
         deployment.add_node(role)
