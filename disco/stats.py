@@ -35,6 +35,11 @@ class RequestStats:
     # timings over gRPC); the rest is what the transport and the loop added.
     backend_draft_s: float = 0.0
     backend_verify_s: float = 0.0
+    # Draft calls made (an iteration that drafted makes one) and, of verify_s, the seconds the
+    # target reported spending in its verification forwards: with draft_forwards they give what
+    # each call costs beyond the model forwards (orchestrator.call_overhead).
+    draft_calls: int = 0
+    verify_forward_s: float = 0.0
     # Overlapped drafting (a drafter with overlap on): Draft calls whose block was pre-drafted
     # on a right / wrong guess, and the pre-drafted tokens streamed / thrown away.
     overlap_hits: int = 0
@@ -79,7 +84,8 @@ class RequestStats:
         data["acceptance_rate"] = round(self.acceptance_rate, 6)
         data["tokens_per_s"] = round(self.tokens_per_s, 4)
         data["mean_lookahead"] = round(self.mean_lookahead, 4)
-        for key in ("prefill_s", "draft_s", "verify_s", "wall_s", "backend_draft_s", "backend_verify_s"):
+        for key in ("prefill_s", "draft_s", "verify_s", "wall_s", "backend_draft_s", "backend_verify_s",
+                    "verify_forward_s"):
             data[key] = round(data[key], 6)
         return data
 

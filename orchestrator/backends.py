@@ -8,6 +8,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from dataclasses import replace
 from typing import Sequence
 
 import grpc
@@ -15,6 +16,8 @@ import grpc
 from disco.errors import DiscoError, ModelError, Unavailable, VocabularyMismatch
 from disco.speculation.cost_model import CostModel
 from disco.speculation.live_model import live_cost_model
+from disco.stats import RequestStats
+from orchestrator.call_overhead import CallOverhead
 from orchestrator.failover import FailoverDrafter, FailoverVerifier, SessionTrack
 from orchestrator.remote import CallScope
 from orchestrator.routing import ReplicaSet
@@ -63,6 +66,7 @@ class Backends:
         self._live: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())  # target's, draft's seconds by rows
         self._live_read_at = float("-inf")
         self._draft_checked = False
+        self.call_overhead = CallOverhead()  # auto's t_rtt, once a request served alone was observed
         self._lock = threading.Lock()
 
     @property
@@ -125,14 +129,31 @@ class Backends:
         """The cost model ``auto`` decides one request with, ``in_flight`` requests (this one
         included) being served: the calibration corrected by the services' live forward
         costs, at the load (:func:`disco.speculation.live_model.live_cost_model`; the sessions
-        per target replica are ``in_flight`` spread over the replicas). ``None`` while a
-        service reports no costs or cannot be reached."""
+        per target replica are ``in_flight`` spread over the replicas), with the call overhead
+        observed on requests served alone as ``t_rtt`` (:mod:`orchestrator.call_overhead`; the
+        ``Info`` round trip until one was). ``None`` while a service reports no costs or cannot
+        be reached."""
         calibrated = self.calibrated_costs()
         if calibrated is None:
             return None
         target_live, draft_live = self.live_costs()
         replicas = max(1, len(self.target.addresses()))
-        return live_cost_model(calibrated, target_live, draft_live, -(-max(1, in_flight) // replicas))
+        costs = live_cost_model(calibrated, target_live, draft_live, -(-max(1, in_flight) // replicas))
+        overhead = self.call_overhead.seconds()
+        if overhead is None:
+            return costs
+        return replace(costs, t_rtt=overhead, source=f"{costs.source}, call overhead {overhead * 1000:.1f} ms "
+                                                      f"observed over {self.call_overhead.requests()} request(s)")
+
+    def observe_calls(self, stats: RequestStats) -> None:
+        """Add the calls of a request served alone to the observed call overhead (priced at
+        the draft's live forward cost; a request that drafted is skipped while no cost is known)."""
+        if stats.draft_forwards == 0:
+            self.call_overhead.observe(stats, 0.0)
+            return
+        costs = self.costs(1)
+        if costs is not None:
+            self.call_overhead.observe(stats, costs.t_draft)
 
     def draft_unobserved(self) -> bool:
         """Whether no live draft forward has been seen (then a draft calibration that is too

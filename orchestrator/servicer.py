@@ -70,6 +70,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.metrics.track_sessions(lambda: self._active, limits.max_sessions)
         self._tokenizers = Tokenizers(tokenizer)  # encoding and decoding never wait for each other
         self._active = 0
+        self._admissions = 0  # requests admitted since start: a request served alone saw no other
         self._active_lock = threading.Lock()
 
     @property
@@ -176,7 +177,17 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                                              lambda: self.backends.costs(self._active),
                                              encode=self._encode_words)
             events = generator.stream(prompt_ids, sampling, speculation)
-            yield from self.metrics.observe(_with_failovers(events, sticky_drafter, verifier))
+            yield from self.metrics.observe(self._observing_calls(
+                _with_failovers(events, sticky_drafter, verifier), self._admissions))
+
+    def _observing_calls(self, events: Iterator[GenerationEvent], admissions: int) -> Iterator[GenerationEvent]:
+        """Pass ``events`` on; a request served alone (no other admitted from its admission,
+        ``admissions``, to its end) adds its calls to the observed call overhead
+        (:mod:`orchestrator.call_overhead`)."""
+        for event in events:
+            if isinstance(event, GenerationResult) and self._admissions == admissions and self._active == 1:
+                self.backends.observe_calls(event.stats)
+            yield event
 
     def _parse(self, request: orchestrator_pb2.GenerateRequest) -> tuple[list[int], SamplingParams, SpeculationConfig]:
         speculation = SpeculationConfig(
@@ -236,6 +247,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 raise ResourceExhausted(
                     f"too many concurrent requests ({self.limits.max_sessions}); retry later")
             self._active += 1
+            self._admissions += 1
         try:
             yield
         finally:

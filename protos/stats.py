@@ -12,7 +12,8 @@ from protos.disco.v1 import orchestrator_pb2
 _STATS_FIELDS = ("prompt_tokens", "generated_tokens", "iterations", "draft_tokens", "accepted_tokens",
                  "target_forwards", "draft_forwards", "prefill_s", "draft_s", "verify_s", "wall_s",
                  "finish_reason", "draft_fallbacks", "target_reprefills", "draft_reprefills", "backend_draft_s",
-                 "backend_verify_s", "overlap_hits", "overlap_misses", "predrafted_used", "predrafted_wasted")
+                 "backend_verify_s", "overlap_hits", "overlap_misses", "predrafted_used", "predrafted_wasted",
+                 "draft_calls", "verify_forward_s")
 
 
 def stats_to_pb(stats: RequestStats) -> orchestrator_pb2.RequestStats:

@@ -279,6 +279,7 @@ class SpeculativeGenerator:
                     verdict = self.verifier.verify(session_id, draft_ids, None)
                 stats.verify_s += time.perf_counter() - verify_started
                 stats.backend_verify_s += verdict.elapsed_ns / 1e9
+                stats.verify_forward_s += verdict.forward_ns / 1e9
                 stats.record_iteration(len(draft_ids), verdict.num_accepted)
                 feedback = Feedback(verdict.num_accepted, verdict.next_token_id)
                 # 4. Accept: the accepted prefix plus the bonus token, then EOS/stop/length.
@@ -357,6 +358,7 @@ class SpeculativeGenerator:
                      draft_ids: list[int], stats: RequestStats) -> None:
         for event in self.drafter.draft(session_id, feedback, lookahead_cap):
             if isinstance(event, DraftSummary):
+                stats.draft_calls += 1
                 stats.draft_forwards += event.forwards
                 stats.backend_draft_s += event.elapsed_ns / 1e9
                 stats.overlap_hits += event.overlap_hit

@@ -13,7 +13,8 @@ COLUMNS = ("policy", "transport", "tokens_per_s", "speedup", "speedup_min", "spe
            "mean_first_divergence", "acceptance_rate", "mean_lookahead", "target_forwards", "draft_forwards",
            "generated_tokens", "prompts", "repeats")
 # shown only when some row has them (decode rates; the llama.cpp peer's extra measurements)
-OPTIONAL_COLUMNS = ("decode_tokens_per_s", "decode_speedup", "prompt_tokens_per_s", "prompt_tokens", "note")
+OPTIONAL_COLUMNS = ("decode_tokens_per_s", "decode_speedup", "verify_call_ms", "verify_forward_ms", "draft_call_ms",
+                    "prompt_tokens_per_s", "prompt_tokens", "note")
 
 
 def columns(rows: list[dict]) -> tuple[str, ...]:

@@ -152,6 +152,7 @@ def summarize(run: BenchRun) -> list[dict]:
             "overlap_hit_rate": _overlap_hit_rate(stats),
             "predrafted_used": sum(s.get("predrafted_used", 0) for s in stats) / len(stats) if stats else None,
             "predrafted_wasted": sum(s.get("predrafted_wasted", 0) for s in stats) / len(stats) if stats else None,
+            **_per_call_ms(stats),
         })
     return rows
 
@@ -169,6 +170,19 @@ def _overlap_hit_rate(stats: Sequence[dict]) -> float | None:
     hits = sum(s.get("overlap_hits", 0) for s in stats)
     tried = hits + sum(s.get("overlap_misses", 0) for s in stats)
     return hits / tried if tried else None
+
+
+def _per_call_ms(stats: Sequence[dict]) -> dict[str, float | None]:
+    """Milliseconds per call, pooled over requests: a Verify call as the loop saw it, as the
+    target reported it, and of that its forward; a Draft call as seen and as reported."""
+    verifies = sum(s.get("target_forwards", 0) for s in stats)
+    drafts = sum(s.get("draft_calls", 0) for s in stats)
+
+    def per(key: str, calls: int) -> float | None:
+        return 1000 * sum(s.get(key, 0.0) for s in stats) / calls if calls else None
+    return {"verify_call_ms": per("verify_s", verifies), "verify_server_ms": per("backend_verify_s", verifies),
+            "verify_forward_ms": per("verify_forward_s", verifies), "draft_call_ms": per("draft_s", drafts),
+            "draft_server_ms": per("backend_draft_s", drafts)}
 
 
 def _decode_rate(stats: Sequence[dict]) -> float | None:

@@ -116,7 +116,7 @@ class GenerateResult(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[RequestStats, _Mapping]] = ..., elapsed_ns: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_text: _Optional[str] = ...) -> None: ...
 
 class RequestStats(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "iterations", "draft_tokens", "accepted_tokens", "acceptance_rate", "lookaheads", "accepted_per_position", "target_forwards", "draft_forwards", "prefill_s", "draft_s", "verify_s", "wall_s", "tokens_per_s", "mean_lookahead", "finish_reason", "draft_fallbacks", "target_reprefills", "backend_draft_s", "backend_verify_s", "draft_reprefills", "overlap_hits", "overlap_misses", "predrafted_used", "predrafted_wasted", "seed")
+    __slots__ = ("prompt_tokens", "generated_tokens", "iterations", "draft_tokens", "accepted_tokens", "acceptance_rate", "lookaheads", "accepted_per_position", "target_forwards", "draft_forwards", "prefill_s", "draft_s", "verify_s", "wall_s", "tokens_per_s", "mean_lookahead", "finish_reason", "draft_fallbacks", "target_reprefills", "backend_draft_s", "backend_verify_s", "draft_reprefills", "overlap_hits", "overlap_misses", "predrafted_used", "predrafted_wasted", "seed", "draft_calls", "verify_forward_s")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ITERATIONS_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,8 @@ class RequestStats(_message.Message):
     PREDRAFTED_USED_FIELD_NUMBER: _ClassVar[int]
     PREDRAFTED_WASTED_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_CALLS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FORWARD_S_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     iterations: int
@@ -171,7 +173,9 @@ class RequestStats(_message.Message):
     predrafted_used: int
     predrafted_wasted: int
     seed: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., iterations: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., lookaheads: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., target_forwards: _Optional[int] = ..., draft_forwards: _Optional[int] = ..., prefill_s: _Optional[float] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., mean_lookahead: _Optional[float] = ..., finish_reason: _Optional[str] = ..., draft_fallbacks: _Optional[int] = ..., target_reprefills: _Optional[int] = ..., backend_draft_s: _Optional[float] = ..., backend_verify_s: _Optional[float] = ..., draft_reprefills: _Optional[int] = ..., overlap_hits: _Optional[int] = ..., overlap_misses: _Optional[int] = ..., predrafted_used: _Optional[int] = ..., predrafted_wasted: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    draft_calls: int
+    verify_forward_s: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., iterations: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., lookaheads: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., target_forwards: _Optional[int] = ..., draft_forwards: _Optional[int] = ..., prefill_s: _Optional[float] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., mean_lookahead: _Optional[float] = ..., finish_reason: _Optional[str] = ..., draft_fallbacks: _Optional[int] = ..., target_reprefills: _Optional[int] = ..., backend_draft_s: _Optional[float] = ..., backend_verify_s: _Optional[float] = ..., draft_reprefills: _Optional[int] = ..., overlap_hits: _Optional[int] = ..., overlap_misses: _Optional[int] = ..., predrafted_used: _Optional[int] = ..., predrafted_wasted: _Optional[int] = ..., seed: _Optional[int] = ..., draft_calls: _Optional[int] = ..., verify_forward_s: _Optional[float] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
