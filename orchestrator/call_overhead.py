@@ -20,7 +20,8 @@ sample: its call time left over by the forwards,
 
 with ``t_draft`` the draft's forward cost the model holds (its live value) and
 ``verify_forward_s`` the forward seconds the target reported per Verify call. The call
-overhead is that pooled over the last :data:`WINDOW` such requests (seconds over calls), and
+overhead is the median of that over the last :data:`WINDOW` such requests (a median: a
+process's first request pays one-off costs, lazy allocations and threads starting), and
 ``auto``'s model takes it as ``t_rtt`` (:meth:`orchestrator.backends.Backends.costs`); until
 a request has been observed, the ``Info`` round trip stands. The draft's per-token work beyond
 its forward (the stop policy, streaming a token) is counted per call here: a simplification
@@ -29,20 +30,21 @@ that prices long blocks slightly too cheap when that work is large.
 
 from __future__ import annotations
 
+import statistics
 import threading
 from collections import deque
 
 from disco.stats import RequestStats
 
-#: Requests pooled into the overhead.
+#: Requests whose median is the overhead.
 WINDOW = 32
 
 
 class CallOverhead:
-    """The pooled per-call overhead over the last :data:`WINDOW` requests served alone."""
+    """The median per-call overhead of the last :data:`WINDOW` requests served alone."""
 
     def __init__(self, window: int = WINDOW) -> None:
-        self._samples: deque[tuple[float, int]] = deque(maxlen=window)  # (seconds beyond forwards, calls)
+        self._samples: deque[float] = deque(maxlen=window)  # a request's seconds beyond forwards per call
         self._lock = threading.Lock()
 
     def observe(self, stats: RequestStats, t_draft: float) -> None:
@@ -52,13 +54,12 @@ class CallOverhead:
             return
         beyond = (stats.draft_s - stats.draft_forwards * t_draft) + (stats.verify_s - stats.verify_forward_s)
         with self._lock:
-            self._samples.append((max(0.0, beyond), calls))
+            self._samples.append(max(0.0, beyond) / calls)
 
     def seconds(self) -> float | None:
         """Seconds per call beyond its forwards; ``None`` before any request was observed."""
         with self._lock:
-            calls = sum(count for _, count in self._samples)
-            return sum(seconds for seconds, _ in self._samples) / calls if calls else None
+            return statistics.median(self._samples) if self._samples else None
 
     def requests(self) -> int:
         with self._lock:

@@ -22,7 +22,7 @@ def test_nothing_observed_gives_no_overhead():
     assert overhead.seconds() is None and overhead.requests() == 0
 
 
-def test_the_overhead_is_the_call_time_left_by_the_forwards_pooled_over_calls():
+def test_the_overhead_is_the_call_time_left_by_the_forwards_a_median_over_requests():
     overhead = CallOverhead()
     # 10 target-only Verify calls of 60 ms, 45 ms of each in the forward: 15 ms a call
     overhead.observe(_stats(target_forwards=10, verify_s=0.600, verify_forward_s=0.450), t_draft=0.02)
@@ -31,8 +31,11 @@ def test_the_overhead_is_the_call_time_left_by_the_forwards_pooled_over_calls():
     # taking 80 ms with 60 ms of forward: (4 * 10 + 4 * 20) ms over 8 calls
     overhead.observe(_stats(target_forwards=4, draft_calls=4, draft_forwards=12, draft_s=0.280,
                             verify_s=0.320, verify_forward_s=0.240), t_draft=0.02)
-    assert overhead.seconds() == pytest.approx((0.150 + 0.120) / 18)
-    assert overhead.requests() == 2
+    assert overhead.seconds() == pytest.approx((0.015 + 0.015) / 2)
+    # a first request's one-off costs (300 ms a call) do not move the median of three
+    overhead.observe(_stats(target_forwards=2, verify_s=0.700, verify_forward_s=0.100), t_draft=0.02)
+    assert overhead.seconds() == pytest.approx(0.015)
+    assert overhead.requests() == 3
 
 
 def test_the_window_keeps_the_latest_requests_and_never_goes_negative():
@@ -42,7 +45,7 @@ def test_the_window_keeps_the_latest_requests_and_never_goes_negative():
     assert overhead.seconds() == pytest.approx(0.003)
     overhead.observe(_stats(target_forwards=1, draft_calls=1, draft_forwards=5, draft_s=0.01, verify_s=0.05,
                             verify_forward_s=0.05), t_draft=0.01)  # forwards priced above the calls' time
-    assert overhead.seconds() == pytest.approx(0.004 / 3)  # (0.004 + 0) over 1 + 2 calls
+    assert overhead.seconds() == pytest.approx(0.002)  # the median of 0.004 and 0
 
 
 class _RecordingBackends:
