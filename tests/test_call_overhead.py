@@ -3,6 +3,8 @@ requests the orchestrator served alone (orchestrator/call_overhead.py, issue 50 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from disco.speculation.loop import GenerationResult, TokenChunk
@@ -84,10 +86,16 @@ def test_only_a_request_served_alone_is_observed():
 # -- through the real gRPC services ------------------------------------------------------
 
 
+#: Work the target service does per Verify call outside its forward, injected below.
+SERVICE_WORK_S = 0.02
+
+
 def test_auto_prices_calls_at_the_overhead_observed_over_grpc(target_model, drafts, tokenizer):
-    """Real services on loopback: before any request ``t_rtt`` is the ``Info`` round trip;
-    after a request served alone it is that request's call time beyond the forwards, from
-    the stats the request returned; auto's later requests are exact."""
+    """Real services on loopback, the target spending :data:`SERVICE_WORK_S` per Verify call
+    outside its forward (as a servicer's thread hand-offs do, which no ``Info`` ping sees):
+    before any request ``t_rtt`` is the ``Info`` round trip; after a request served alone it is
+    that request's call time beyond the forwards, from the stats the request returned, and at
+    least the injected work; auto's later requests are exact."""
     import draft_service.server  # noqa: PLC0415
     import target_service.server  # noqa: PLC0415
     from orchestrator.client import DiscoClient  # noqa: PLC0415
@@ -96,6 +104,14 @@ def test_auto_prices_calls_at_the_overhead_observed_over_grpc(target_model, draf
 
     target = target_service.server.serve(loaded(target_model, tokenizer, "tiny-target"), forward_s=(0.01, 0.011))
     draft = draft_service.server.serve(loaded(drafts["same"], tokenizer, "tiny-draft"), forward_s=(0.002,))
+    engine = target.servicers[0].engine
+    verify = engine.verify
+
+    def verify_after_other_work(*args, **kwargs):
+        time.sleep(SERVICE_WORK_S)
+        return verify(*args, **kwargs)
+
+    engine.verify = verify_after_other_work
     orchestrator = start_orchestrator(tokenizer, draft.address, target.address)
     backends = orchestrator.servicers[0].backends
     try:
@@ -107,6 +123,7 @@ def test_auto_prices_calls_at_the_overhead_observed_over_grpc(target_model, draf
             assert 0 < stats["verify_forward_s"] <= stats["backend_verify_s"] <= stats["verify_s"]
             expected = (stats["verify_s"] - stats["verify_forward_s"]) / stats["target_forwards"]
             assert backends.call_overhead.seconds() == pytest.approx(expected, rel=1e-3, abs=1e-5)
+            assert expected >= SERVICE_WORK_S
             costs = backends.costs(1)
             assert costs.t_rtt == pytest.approx(expected, rel=1e-3, abs=1e-5)
             assert "call overhead" in costs.source
