@@ -183,11 +183,13 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     def _observing_calls(self, events: Iterator[GenerationEvent], admissions: int) -> Iterator[GenerationEvent]:
         """Pass ``events`` on; a request served alone (no other admitted from its admission,
         ``admissions``, to its end) adds its calls to the observed call overhead
-        (:mod:`orchestrator.call_overhead`)."""
+        (:mod:`orchestrator.call_overhead`), once its result has been handed on (reading the
+        draft's live cost may take an ``Info`` call: not on the response's path)."""
         for event in events:
-            if isinstance(event, GenerationResult) and self._admissions == admissions and self._active == 1:
-                self.backends.observe_calls(event.stats)
+            alone = self._admissions == admissions and self._active == 1
             yield event
+            if isinstance(event, GenerationResult) and alone:
+                self.backends.observe_calls(event.stats)
 
     def _parse(self, request: orchestrator_pb2.GenerateRequest) -> tuple[list[int], SamplingParams, SpeculationConfig]:
         speculation = SpeculationConfig(

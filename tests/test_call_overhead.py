@@ -100,7 +100,7 @@ def test_auto_prices_calls_at_the_overhead_observed_over_grpc(target_model, draf
     import target_service.server  # noqa: PLC0415
     from orchestrator.client import DiscoClient  # noqa: PLC0415
     from tests.grpc_fixtures import CLIENT_TIMEOUT_S, loaded, start_orchestrator  # noqa: PLC0415
-    from tests.helpers import PROMPTS  # noqa: PLC0415
+    from tests.helpers import PROMPTS, wait_until  # noqa: PLC0415
 
     target = target_service.server.serve(loaded(target_model, tokenizer, "tiny-target"), forward_s=(0.01, 0.011))
     draft = draft_service.server.serve(loaded(drafts["same"], tokenizer, "tiny-draft"), forward_s=(0.002,))
@@ -122,6 +122,7 @@ def test_auto_prices_calls_at_the_overhead_observed_over_grpc(target_model, draf
             assert stats["target_forwards"] == 16 and stats["draft_calls"] == 0
             assert 0 < stats["verify_forward_s"] <= stats["backend_verify_s"] <= stats["verify_s"]
             expected = (stats["verify_s"] - stats["verify_forward_s"]) / stats["target_forwards"]
+            wait_until(lambda: backends.call_overhead.requests() == 1, 30, "the request observed", poll_s=0.01)
             assert backends.call_overhead.seconds() == pytest.approx(expected, rel=1e-3, abs=1e-5)
             assert expected >= SERVICE_WORK_S
             costs = backends.costs(1)
@@ -130,7 +131,7 @@ def test_auto_prices_calls_at_the_overhead_observed_over_grpc(target_model, draf
             drafted = client.generate(PROMPTS[0], policy="static:3", max_new_tokens=16, ignore_eos=True)
             assert drafted.token_ids == reference.token_ids
             assert drafted.stats["draft_calls"] == drafted.stats["iterations"] > 0
-            assert backends.call_overhead.requests() == 2
+            wait_until(lambda: backends.call_overhead.requests() == 2, 30, "the second request observed", poll_s=0.01)
             auto = client.generate(PROMPTS[0], policy="auto", max_new_tokens=16, ignore_eos=True)
             assert auto.token_ids == reference.token_ids
     finally:
