@@ -1,4 +1,5 @@
-"""``disco doctor``'s roofline check: each model's measured forwards against this machine's floors.
+"""The roofline line of ``disco doctor`` and ``disco models calibrate``: each model's measured
+forwards against this machine's floors.
 
 The peaks (read bandwidth, the q4 x q8 instruction's int8 peak) are measured once per doctor run
 (:func:`disco.engines.roofline.measure_peaks`); per engine the check reads the forward costs the
@@ -14,13 +15,19 @@ from typing import Sequence
 
 import torch
 
-from disco.engines.roofline import MachinePeaks, distances, extra_row_fraction, forward_work
+from disco.engines.roofline import ForwardWork, MachinePeaks, distances, extra_row_fraction, forward_work
 
 
 def roofline_report(peaks: MachinePeaks, target: torch.nn.Module, draft: torch.nn.Module,
                     target_ms: Sequence[float], draft_ms: float) -> tuple[str, dict]:
     """The check's line and figures from the peaks and the ``costs`` check's milliseconds."""
-    target_work, draft_work = forward_work(target), forward_work(draft)
+    return roofline_of_work(peaks, forward_work(target), forward_work(draft), target_ms, draft_ms)
+
+
+def roofline_of_work(peaks: MachinePeaks, target_work: ForwardWork, draft_work: ForwardWork,
+                     target_ms: Sequence[float], draft_ms: float) -> tuple[str, dict]:
+    """:func:`roofline_report` from what the models' forwards read and compute (the models
+    need not be loaded any more)."""
     target_rows = distances(target_work, peaks, [ms / 1000 for ms in target_ms])
     draft_row = distances(draft_work, peaks, [draft_ms / 1000])[0]
     fraction = extra_row_fraction(target_work, peaks, [ms / 1000 for ms in target_ms])

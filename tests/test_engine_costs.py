@@ -105,9 +105,14 @@ def test_calibrate_cli_json_and_table(capsys, tiny_pair_dirs, tmp_path):
     assert len(payload["target"]["forward_s"]) == 4 and len(payload["draft"]["forward_s"]) == 1
     assert payload["target"]["engine"] == payload["draft"]["engine"] == "int8"
     assert all(v > 0 for v in payload["target"]["forward_s"])
+    assert "roofline" in payload and payload["roofline"]["peaks"]["read_gb_s"] > 0
+    assert payload["roofline"]["target"]["rows_over_one_row"]["rows"] == 4  # 1..4 new tokens timed
     assert main(argv) == 0  # cached now: prints the table
     table = capsys.readouterr().out
     assert "k=4" in table and "target" in table and "draft" in table and "int8" in table
+    assert "roofline: read" in table and "target 4 rows = " in table and "draft token" in table
+    assert main([*argv, "--no-roofline"]) == 0
+    assert "roofline" not in capsys.readouterr().out
 
 
 def test_calibrate_cli_refuses_bad_flags(capsys, tiny_pair_dirs, tmp_path):

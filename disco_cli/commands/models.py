@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from pathlib import Path
 
 from disco.config import DEFAULT_MAX_LOOKAHEAD
@@ -52,6 +53,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     calibrate.add_argument("--repeats", type=int, default=5,
                            help="timings per point; a low percentile is kept (default 5)")
     calibrate.add_argument("--force", action="store_true", help="measure again even when cached")
+    calibrate.add_argument("--no-roofline", action="store_true",
+                           help="do not measure this machine's read bandwidth and int8 peak (a CPU's roofline, "
+                                "printed beside the costs by default)")
     calibrate.add_argument("--quiet", action="store_true", help="no progress bars or log lines")
     calibrate.set_defaults(func=_calibrate)
 
@@ -106,6 +110,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     import torch  # noqa: PLC0415 - heavy imports only when measuring
 
     from disco.engines import engine_costs  # noqa: PLC0415
+    from disco.engines.roofline import forward_work  # noqa: PLC0415
     from disco.models.loading import load_model  # noqa: PLC0415
 
     if args.threads is not None:
@@ -122,19 +127,43 @@ def _calibrate(args: argparse.Namespace) -> int:
         _show_progress_logs()
     home = args.home or disco_home()
     pair = pair_config_from_args(args)
-    results = {}
+    results, works = {}, {}
     for role, config in (("target", pair.target), ("draft", pair.draft)):  # one model in memory at a time
         loaded = load_model(config, role, home, progress=not args.quiet)
         results[role] = engine_costs.load_or_measure(
             loaded.model, name=loaded.name, fingerprint=loaded.fingerprint, engine=config.dtype,
             device=config.device, home=home, request=requests[role], force=args.force, progress=not args.quiet)
+        works[role] = forward_work(loaded.model)
         del loaded
         gc.collect()
+    roofline = None
+    if not args.no_roofline and pair.target.device == pair.draft.device == "cpu":
+        roofline = _roofline(home, results, works, args.quiet)
     if args.json:
-        print(json.dumps({role: costs.to_json() for role, costs in results.items()}, indent=2))
+        payload = {role: costs.to_json() for role, costs in results.items()}
+        print(json.dumps({**payload, **({"roofline": roofline[1]} if roofline else {})}, indent=2))
     else:
         print(engine_costs.format_costs_table(results))
+        if roofline:
+            print(f"roofline: {roofline[0]}")
     return 0
+
+
+def _roofline(home: Path, results: dict, works: dict, quiet: bool) -> tuple[str, dict]:
+    """The costs just read or measured against this machine's floors (the peaks measured now,
+    for torch's threads), with the target's k-row forward over its one-row forward."""
+    from disco.engines.roofline import measure_peaks  # noqa: PLC0415 - torch
+    from disco_cli.doctor_roofline import roofline_of_work  # noqa: PLC0415
+
+    if not quiet:
+        print("measuring this machine's read bandwidth and int8 peak ...", file=sys.stderr, flush=True)
+    target_ms = [seconds * 1000 for seconds in results["target"].forward_s]
+    line, data = roofline_of_work(measure_peaks(home), works["target"], works["draft"], target_ms,
+                                  results["draft"].forward_s[0] * 1000)
+    rows = min(5, len(target_ms))
+    ratio = target_ms[rows - 1] / target_ms[0]
+    data["target"]["rows_over_one_row"] = {"rows": rows, "ratio": round(ratio, 3)}
+    return f"{line}; target {rows} rows = {ratio:.2f}x one row", data
 
 
 def _show_progress_logs() -> None:
