@@ -47,10 +47,20 @@ LONG = dict(policy="static:1", max_new_tokens=300, ignore_eos=True)
 
 
 def spawn(role: str, folder, home, port: int = 0) -> subprocess.Popen:
+    """A service process in a session of its own: a process SIGSTOPped below stays stopped until
+    this test continues it (in this process's group a job-control SIGCONT could wake it: a
+    suite run beside busy processes once saw the "frozen" draft answer, issue 46)."""
     env = {**os.environ, "DISCO_HOME": str(home), "PYTHONPATH": REPO}
     return subprocess.Popen([sys.executable, "-m", "disco_cli.main", f"{role}-server", "--model", str(folder),
                              "--dtype", "float32", "--threads", "1", "--port", str(port), "--json"],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
+
+
+def process_state(pid: int) -> str:
+    """The kernel's one-letter state of ``pid`` (``T``: stopped), from /proc."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]
 
 
 def announced_address(process: subprocess.Popen) -> str:
@@ -126,10 +136,15 @@ def test_a_frozen_backend_fails_calls_within_seconds(deployment):
     drafter.start_session("frozen", [5, 6, 7], SamplingParams(max_new_tokens=8), "static:2")
     process.send_signal(signal.SIGSTOP)
     try:
+        deadline = time.monotonic() + FAST_S
+        while process_state(process.pid) != "T":  # the stop has reached every thread
+            assert time.monotonic() < deadline, "the draft service did not stop"
+            time.sleep(0.01)
         started = time.monotonic()
         with pytest.raises(Unavailable, match="ping timeout|unavailable"):
             list(drafter.draft("frozen", None, 2))
         assert time.monotonic() - started < (KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS) / 1000 + FAST_S
+        assert process_state(process.pid) == "T", "something else continued the stopped service"
     finally:
         process.send_signal(signal.SIGCONT)
     drafter.end_session("frozen")

@@ -350,7 +350,8 @@ def test_pair_placement_keeps_each_draft_next_to_its_target(multinode, tiny_pair
     down(multinode.cluster.address, multinode.namespace, multinode.home)
     multinode.namespace = f"disco-mn-{uuid.uuid4().hex[:8]}"
     for _ in range(2):  # two nodes that can hold a whole pair
-        node = multinode.cluster.add_node(num_cpus=2, object_store_memory=80 * 2**20, node_ip_address=LOOPBACK)
+        node = start_with_retries(lambda: multinode.cluster.add_node(
+            num_cpus=2, object_store_memory=80 * 2**20, node_ip_address=LOOPBACK), "a pair node", RAY_TEMP_DIR)
         multinode.nodes[node.node_id], multinode.roles[node.node_id] = node, "pair"
     multinode.info = up(UpConfig(
         target=str(tiny_pair_dirs["target"]), draft=str(tiny_pair_dirs["draft"]), dtype="float32",
