@@ -276,6 +276,8 @@ def train_disco_cv(train: RecordSet, validation: RecordSet, cost: CostModel, spe
                     for i, threshold in enumerate(threshold_grid(rule)):
                         replayed = replay_artifact(artifact, held, threshold, max_lookahead, memo)
                         seconds[(kind, label, rule)][i] += replayed.seconds(cost)
+            log(f"  fold {fold + 1}/{folds}: {kind} fitted and replayed ({len(held.records)} held-out prompts), "
+                f"{time.perf_counter() - started:.0f} s elapsed")
     table, best = [], None
     for (kind, label, rule), totals in seconds.items():
         curve = [{"threshold": t, "speedup": baseline / total} for t, total in zip(threshold_grid(rule), totals)]

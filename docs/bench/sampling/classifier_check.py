@@ -33,6 +33,11 @@ Run (held-out prompts only: ``humaneval:test``; nothing here is tuned)::
 
     nice -n 5 python docs/bench/sampling/classifier_check.py --limit 8 --max-new-tokens 48 \
         --json-out docs/bench/sampling/epyc_classifier_check.json
+
+``--artifacts default,new.disco`` judges several artifacts on the same drafted tokens (the block
+is the fixed policy's, so the tokens and verdicts do not depend on the artifacts); the JSON then
+keys ``summary`` and ``tokens`` by artifact (``epyc_classifier_check.json`` predates this: one
+artifact, ``summary`` keyed by temperature).
 """
 
 from __future__ import annotations
@@ -79,50 +84,61 @@ class Block:
 
 
 class ObservingPolicy(StopPolicy):
-    """Drafts as ``inner`` (a static block) and asks ``disco`` about every token, recording what
-    it predicts; ``disco`` gets the same call sequence as when it runs the session itself."""
+    """Drafts as ``inner`` (a static block) and asks each DISCO policy about every token,
+    recording what it predicts; each gets the same call sequence as when it runs the session
+    itself. ``blocks[name]`` holds what the policy of artifact ``name`` said, block by block."""
 
     needs_signals = True
 
-    def __init__(self, inner: StopPolicy, disco_policy: DiscoPolicy, blocks: list[Block]) -> None:
-        self.inner, self.disco, self.blocks = inner, disco_policy, blocks
-        self.needs_hidden = disco_policy.needs_hidden
+    def __init__(self, inner: StopPolicy, disco_policies: dict[str, DiscoPolicy],
+                 blocks: dict[str, list[Block]]) -> None:
+        self.inner, self.discos, self.blocks = inner, disco_policies, blocks
+        self.needs_hidden = any(policy.needs_hidden for policy in disco_policies.values())
 
     def begin_block(self, max_lookahead: int) -> int:
-        self.disco.begin_block(max_lookahead)
-        self.blocks.append(Block())
+        for name, policy in self.discos.items():
+            policy.begin_block(max_lookahead)
+            self.blocks[name].append(Block())
         return self.inner.begin_block(max_lookahead)
 
     def after_token(self, position: int, token_id: int, signals: TokenSignals | None) -> Decision:
         assert signals is not None
-        decision = self.disco.after_token(position, token_id, signals)
-        block = self.blocks[-1]
-        block.probability.append(float(self.disco.last_probability))
-        block.statistic.append(float(self.disco.last_statistic))
-        block.stop.append(decision is not Decision.CONTINUE)
-        block.token_prob.append(signals.token_prob)
-        block.top1.append(signals.token_prob >= signals.topk_probs[0])
+        for name, policy in self.discos.items():
+            decision = policy.after_token(position, token_id, signals)
+            block = self.blocks[name][-1]
+            block.probability.append(float(policy.last_probability))
+            block.statistic.append(float(policy.last_statistic))
+            block.stop.append(decision is not Decision.CONTINUE)
+            block.token_prob.append(signals.token_prob)
+            block.top1.append(signals.token_prob >= signals.topk_probs[0])
         return self.inner.after_token(position, token_id, signals)
 
     def on_feedback(self, num_drafted: int, num_accepted: int) -> None:
-        self.disco.on_feedback(num_drafted, num_accepted)
+        for policy in self.discos.values():
+            policy.on_feedback(num_drafted, num_accepted)
         self.inner.on_feedback(num_drafted, num_accepted)
 
     def observe_verification(self, num_drafted: int, num_accepted: int) -> None:
-        self.disco.observe_verification(num_drafted, num_accepted)
+        for policy in self.discos.values():
+            policy.observe_verification(num_drafted, num_accepted)
         self.inner.observe_verification(num_drafted, num_accepted)
 
 
 class ObservingFactory(PolicyFactory):
-    """The drafter's policy factory, except that ``spec`` sessions run an :class:`ObservingPolicy`."""
+    """The drafter's policy factory, except that ``spec`` sessions run an :class:`ObservingPolicy`
+    over a fresh policy of every artifact in ``disco_factories``."""
 
-    def __init__(self, base: PolicyFactory, spec: str, disco_factory, blocks: list[Block]) -> None:
+    def __init__(self, base: PolicyFactory, spec: str, disco_factories: dict,
+                 blocks: dict[str, list[Block]]) -> None:
         super().__init__()
-        self.base, self.spec, self.disco_factory, self.blocks = base, spec, disco_factory, blocks
+        self.base, self.spec, self.disco_factories, self.blocks = base, spec, disco_factories, blocks
 
     def build(self, spec: str, reference_ids: Sequence[int] | None = None) -> StopPolicy:
         policy = self.base.build(spec, reference_ids)
-        return ObservingPolicy(policy, self.disco_factory(), self.blocks) if spec == self.spec else policy
+        if spec != self.spec:
+            return policy
+        return ObservingPolicy(policy, {name: factory() for name, factory in self.disco_factories.items()},
+                               self.blocks)
 
 
 class RecordingVerifier:
@@ -232,6 +248,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperatures", default="0,0.7,1.0")
     parser.add_argument("--policy", default="static:6", help="the fixed block every request drafts")
+    parser.add_argument("--artifacts", default="default",
+                        help="comma-separated DISCO artifacts (names or .disco paths) judged on the same tokens")
     parser.add_argument("--json-out", required=True)
     args = parser.parse_args()
     started = time.perf_counter()
@@ -240,43 +258,48 @@ def main() -> None:
                       draft=ModelConfig(dtype=choose_engine("auto", None, "draft", "cpu", home)))
     pipeline = build_local_pipeline(pair, home)
     generator, tokenizer = pipeline.generator, pipeline.tokenizer
-    # disco:default through the loader the draft engine uses (it refuses an artifact trained for another draft).
-    disco_factory = default_learned_loader(pipeline.draft)("default")
-    artifact = disco_factory().artifact
-    blocks: list[Block] = []
+    # Each artifact through the loader the draft engine uses (it refuses one trained for another draft).
+    loader = default_learned_loader(pipeline.draft)
+    factories = {name: loader(name) for name in args.artifacts.split(",")}
+    artifacts = {name: factory().artifact for name, factory in factories.items()}
+    blocks: dict[str, list[Block]] = {name: [] for name in factories}
     generator.drafter.policy_factory = ObservingFactory(generator.drafter.policy_factory, args.policy,
-                                                        disco_factory, blocks)
+                                                        factories, blocks)
     verifier = generator.verifier = RecordingVerifier(generator.verifier)
     prompts = [item.encode(tokenizer) for item in load_dataset(args.dataset, args.limit).items]
     temperatures = [float(value) for value in args.temperatures.split(",")]
-    print(f"loaded in {time.perf_counter() - started:.0f} s: engines {pair.engine}, artifact {artifact.path} "
-          f"({artifact.classifier.kind}, label {artifact.label}, rule {artifact.rule}, threshold "
-          f"{artifact.threshold}); {len(temperatures)} temperatures x {len(prompts)} prompts x "
-          f"{args.max_new_tokens} tokens, {args.policy}", flush=True)
+    for name, artifact in artifacts.items():
+        print(f"artifact {name}: {artifact.path} ({artifact.classifier.kind}, groups {artifact.spec.groups}, "
+              f"label {artifact.label}, rule {artifact.rule}, threshold {artifact.threshold})")
+    print(f"loaded in {time.perf_counter() - started:.0f} s: engines {pair.engine}; {len(temperatures)} "
+          f"temperatures x {len(prompts)} prompts x {args.max_new_tokens} tokens, {args.policy}", flush=True)
     generator.generate(prompts[0], SamplingParams(max_new_tokens=4), SpeculationConfig(policy="none"))  # warm-up
-    tokens: list[dict] = []
-    summary: dict[str, dict] = {}
+    tokens: dict[str, list[dict]] = {name: [] for name in factories}
+    summary: dict[str, dict[str, dict]] = {name: {} for name in factories}
     runs, done = len(temperatures) * len(prompts), 0
     run_started = time.perf_counter()
     for temperature in temperatures:
         for index, ids in enumerate(prompts):
-            blocks.clear()
+            for observed in blocks.values():
+                observed.clear()
             verifier.verdicts.clear()
             params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=1.0,
                                     seed=index, ignore_eos=True)
             request_started = time.perf_counter()
             result = generator.generate(ids, params, SpeculationConfig(policy=args.policy))
-            drafted = [b for b in blocks if b.probability]
-            if [len(b.probability) for b in drafted] != [k for k, _ in verifier.verdicts]:
-                sys.exit("observed blocks and verifications do not line up")
-            for number, (block, (_, accepted)) in enumerate(zip(drafted, verifier.verdicts)):
-                for j in range(len(block.probability)):
-                    tokens.append({"temperature": temperature, "prompt": index, "block": number, "position": j,
-                                   "probability": round(block.probability[j], 5),
-                                   "statistic": round(block.statistic[j], 5), "stop": block.stop[j],
-                                   "token_prob": round(block.token_prob[j], 5), "top1": block.top1[j],
-                                   "current": int(j < accepted),
-                                   "conditional": 1 if j < accepted else 0 if j == accepted else -1})
+            for name, observed in blocks.items():
+                drafted = [b for b in observed if b.probability]
+                if [len(b.probability) for b in drafted] != [k for k, _ in verifier.verdicts]:
+                    sys.exit("observed blocks and verifications do not line up")
+                for number, (block, (_, accepted)) in enumerate(zip(drafted, verifier.verdicts)):
+                    for j in range(len(block.probability)):
+                        tokens[name].append({
+                            "temperature": temperature, "prompt": index, "block": number, "position": j,
+                            "probability": round(block.probability[j], 5),
+                            "statistic": round(block.statistic[j], 5), "stop": block.stop[j],
+                            "token_prob": round(block.token_prob[j], 5), "top1": block.top1[j],
+                            "current": int(j < accepted),
+                            "conditional": 1 if j < accepted else 0 if j == accepted else -1})
             done += 1
             elapsed = time.perf_counter() - run_started
             stats = result.stats
@@ -284,14 +307,17 @@ def main() -> None:
                   f"{stats.draft_tokens} drafted, acceptance {stats.accepted_tokens / max(stats.draft_tokens, 1):.3f}, "
                   f"{time.perf_counter() - request_started:.1f} s; elapsed {elapsed / 60:.1f} min, "
                   f"ETA {elapsed / done * (runs - done) / 60:.1f} min", flush=True)
-        summary[str(temperature)] = summarize([t for t in tokens if t["temperature"] == temperature],
-                                              artifact.threshold)
-        write(args, pair, artifact, summary, tokens, started)
-    print_table(summary)
+        for name, artifact in artifacts.items():
+            summary[name][str(temperature)] = summarize(
+                [t for t in tokens[name] if t["temperature"] == temperature], artifact.threshold)
+        write(args, pair, artifacts, summary, tokens, started)
+    for name in artifacts:
+        print(f"\n== artifact {name}")
+        print_table(summary[name])
     print(f"wall {time.perf_counter() - started:.0f} s; wrote {args.json_out}")
 
 
-def write(args, pair: PairConfig, artifact, summary: dict, tokens: list[dict], started: float) -> None:
+def write(args, pair: PairConfig, artifacts: dict, summary: dict, tokens: dict, started: float) -> None:
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -300,8 +326,9 @@ def write(args, pair: PairConfig, artifact, summary: dict, tokens: list[dict], s
            "machine": model, "platform": platform.platform(), "torch": torch.__version__,
            "threads": torch.get_num_threads(), "prompts": f"{args.dataset}[:{args.limit}]",
            "max_new_tokens": args.max_new_tokens, "policy": args.policy, "top_p": 1.0, "seeds": "prompt index",
-           "artifact": {"path": str(artifact.path), "classifier": artifact.classifier.kind, "label": artifact.label,
-                        "rule": artifact.rule, "threshold": artifact.threshold},
+           "artifacts": {name: {"path": str(a.path), "classifier": a.classifier.kind, "groups": list(a.spec.groups),
+                                "label": a.label, "rule": a.rule, "threshold": a.threshold}
+                         for name, a in artifacts.items()},
            "wall_s": round(time.perf_counter() - started, 1), "summary": summary, "tokens": tokens}
     with open(args.json_out, "w") as handle:
         json.dump(out, handle, indent=1)
