@@ -11,6 +11,10 @@ target (``--dtype``, the engine the service runs) called
 * ``main``: from the main thread, as in process;
 * ``one worker``: always from one other thread (a dedicated engine thread);
 * ``pool of N``: round robin over N threads (what a gRPC pool does when calls land on new threads),
+* ``main + poller``: from the main thread while another Python thread wakes every 0.5 ms (as a
+  server's polling threads do), taking the GIL from the forward's Python layer loop,
+* ``main + process``: from the main thread while another *process* wakes every 0.5 ms (the
+  other services and the orchestrator on the same cores: no GIL shared, only the cores),
 
 alternating the three, and prints the medians and ratios.
 
@@ -23,6 +27,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -62,20 +69,46 @@ def main() -> None:
         one.submit(forward).result()
         for thread in pool:
             thread.submit(forward).result()
-    times: dict[str, list[float]] = {"main": [], "one worker": [], f"pool of {args.pool}": []}
+    times: dict[str, list[float]] = {"main": [], "one worker": [], f"pool of {args.pool}": [], "main + poller": [],
+                                     "main + process": []}
+    other = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.0005)"])
+    os_stop, os_cont = 19, 18  # SIGSTOP / SIGCONT: the other process runs only during its case
+    other.send_signal(os_stop)
+
+    def with_poller() -> float:
+        stop = threading.Event()
+
+        def poll() -> None:
+            while not stop.is_set():
+                time.sleep(0.0005)
+
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
+        try:
+            return forward()
+        finally:
+            stop.set()
+            poller.join()
+
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, {args.dtype} target, "
           f"context {args.context}, {args.rounds} rounds", flush=True)
     for round_ in range(args.rounds):
         times["main"].append(forward())
         times["one worker"].append(one.submit(forward).result())
         times[f"pool of {args.pool}"].append(pool[round_ % args.pool].submit(forward).result())
+        times["main + poller"].append(with_poller())
+        other.send_signal(os_cont)
+        time.sleep(0.05)
+        times["main + process"].append(forward())
+        other.send_signal(os_stop)
         if round_ % 5 == 4:
             print(f"  round {round_ + 1}/{args.rounds}", flush=True)
+    other.kill()
     base = statistics.median(times["main"])
-    print(f"{'caller':<12} {'median ms':>10} {'vs main':>8}")
+    print(f"{'caller':<14} {'median ms':>10} {'vs main':>8}")
     for name, values in times.items():
         median = statistics.median(values)
-        print(f"{name:<12} {median * 1e3:>10.2f} {median / base:>7.3f}x")
+        print(f"{name:<14} {median * 1e3:>10.2f} {median / base:>7.3f}x")
 
 
 if __name__ == "__main__":
