@@ -26,6 +26,7 @@ Run on a quiet machine::
 from __future__ import annotations
 
 import argparse
+import signal
 import statistics
 import subprocess
 import sys
@@ -72,8 +73,7 @@ def main() -> None:
     times: dict[str, list[float]] = {"main": [], "one worker": [], f"pool of {args.pool}": [], "main + poller": [],
                                      "main + process": []}
     other = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.0005)"])
-    os_stop, os_cont = 19, 18  # SIGSTOP / SIGCONT: the other process runs only during its case
-    other.send_signal(os_stop)
+    other.send_signal(signal.SIGSTOP)  # the other process runs only during its case
 
     def with_poller() -> float:
         stop = threading.Event()
@@ -97,10 +97,10 @@ def main() -> None:
         times["one worker"].append(one.submit(forward).result())
         times[f"pool of {args.pool}"].append(pool[round_ % args.pool].submit(forward).result())
         times["main + poller"].append(with_poller())
-        other.send_signal(os_cont)
+        other.send_signal(signal.SIGCONT)
         time.sleep(0.05)
         times["main + process"].append(forward())
-        other.send_signal(os_stop)
+        other.send_signal(signal.SIGSTOP)
         if round_ % 5 == 4:
             print(f"  round {round_ + 1}/{args.rounds}", flush=True)
     other.kill()
