@@ -15,6 +15,8 @@ target (``--dtype``, the engine the service runs) called
   server's polling threads do), taking the GIL from the forward's Python layer loop,
 * ``main + process``: from the main thread while another *process* wakes every 0.5 ms (the
   other services and the orchestrator on the same cores: no GIL shared, only the cores),
+* ``main + bursts``: beside another process that computes for 2 ms every 20 ms (~10% of a core,
+  in bursts, as the orchestrator and a client handle each streamed token),
 
 alternating the three, and prints the medians and ratios.
 
@@ -71,9 +73,12 @@ def main() -> None:
         for thread in pool:
             thread.submit(forward).result()
     times: dict[str, list[float]] = {"main": [], "one worker": [], f"pool of {args.pool}": [], "main + poller": [],
-                                     "main + process": []}
+                                     "main + process": [], "main + bursts": []}
     other = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.0005)"])
     other.send_signal(signal.SIGSTOP)  # the other process runs only during its case
+    bursts = subprocess.Popen([sys.executable, "-c", "import time\nwhile True:\n    end = time.perf_counter() + 0.002\n"
+                               "    while time.perf_counter() < end: pass\n    time.sleep(0.018)"])
+    bursts.send_signal(signal.SIGSTOP)
 
     def with_poller() -> float:
         stop = threading.Event()
@@ -101,9 +106,14 @@ def main() -> None:
         time.sleep(0.05)
         times["main + process"].append(forward())
         other.send_signal(signal.SIGSTOP)
+        bursts.send_signal(signal.SIGCONT)
+        time.sleep(0.05)
+        times["main + bursts"].append(forward())
+        bursts.send_signal(signal.SIGSTOP)
         if round_ % 5 == 4:
             print(f"  round {round_ + 1}/{args.rounds}", flush=True)
     other.kill()
+    bursts.kill()
     base = statistics.median(times["main"])
     print(f"{'caller':<14} {'median ms':>10} {'vs main':>8}")
     for name, values in times.items():
