@@ -102,6 +102,11 @@ def deployment(tiny_pair_dirs, tmp_path_factory):
                   home, (TOKEN,))
     (backend_token,) = generated
     deployment = Deployment(info, home, namespace, {}, authority.ca, services, backend_token)
+    # Every actor's process and address as `disco status` reports them at start: the kill tests
+    # read them, so each test runs alone too (not only after the status test).
+    actors = {actor["name"]: actor for actor in status(None, namespace, home)["actors"]}
+    deployment.pids.update({name: actor["pid"] for name, actor in actors.items()})
+    deployment.names.update({name: actor["address"] for name, actor in actors.items()})
     yield deployment
     if ray.is_initialized():  # a test failed before test_down_removes_everything
         down(None, namespace, home)
@@ -142,8 +147,7 @@ def test_up_starts_every_actor_and_status_lists_them(deployment):
     assert sorted(actors[n]["address"] for n in ("target-0", "target-1")) == sorted(info["target"])
     assert report["orchestrator"] == info["orchestrator"]
     assert report["placement_group"]["strategy"] == "SPREAD" and report["placement_group"]["state"] == "CREATED"
-    deployment.pids.update({name: actor["pid"] for name, actor in actors.items()})
-    deployment.names.update({name: actor["address"] for name, actor in actors.items()})
+    assert {name: actor["pid"] for name, actor in actors.items()} == deployment.pids  # no actor restarted yet
 
 
 def test_a_local_head_and_every_service_are_on_loopback_only(deployment):
