@@ -102,7 +102,7 @@ def test_a_measured_record_says_which_forward_and_kernel_ran(target_model, tmp_p
     assert measured.forward == engine_costs.forward_of(target_model) == "lean" and measured.kernel is None
     assert costs_path(tmp_path, "fp", "float32", "cpu", torch.get_num_threads(), forward="lean").exists()
     assert json.loads(costs_path(tmp_path, "fp", "float32", "cpu", torch.get_num_threads(),
-                                 forward="lean").read_text())["format"] == engine_costs.FORMAT_VERSION == 2
+                                 forward="lean").read_text())["format"] == engine_costs.FORMAT_VERSION == 3
 
 
 def test_an_older_format_is_not_read_back(tmp_path):

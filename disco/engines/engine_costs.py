@@ -55,7 +55,9 @@ logger = logging.getLogger(__name__)
 
 COSTS_DIR = "engine_costs"
 #: 2: records say which forward (and int4 kernel) was timed, and cover the lookahead cap.
-FORMAT_VERSION = 2
+#: 3: prefills may run on the quantized kernel (:func:`~disco.models.weight_only.choose_prefill_path`):
+#: a record's ``prefill_s`` timed before may be ~1.7x too high.
+FORMAT_VERSION = 3
 DEFAULT_CONTEXT_TOKENS = 200
 DEFAULT_REPEATS = 5
 #: Target forwards measured by default: 1..L new tokens, L = the lookahead cap + 1 (a block

@@ -17,7 +17,9 @@ loop over the layers, calling only what computes:
   layers (:mod:`disco.models.q4q8`), they run as one call over one weight buffer (the parts'
   buffers become views of it: no second copy). That kernel computes every output channel from
   the row's own int8 activations alone, so a fused call gives each channel its own layer's bits.
-  Rows of a long prefill block (dense spans) run through the separate layers, as in HF.
+  Rows of a long prefill block (dense spans) run through the separate layers, as in HF, unless
+  the layers multiply their prefill spans on the kernel too (``dense_dtype`` ``None``: where the
+  kernel measured faster at load, :func:`disco.models.weight_only.choose_prefill_path`).
 
 It calls the layers' linear modules (and norms other than HF's RMSNorm), not the decoder
 layers or attention modules themselves: hooks registered on those do not run on this path
@@ -143,17 +145,31 @@ def _kernel_direct(module: nn.Module) -> bool:
 
 
 def _project(module: nn.Module, direct: bool, states: torch.Tensor) -> torch.Tensor:  # [1, rows, in] -> [1, rows, out]
-    """``module(states)``; for a q4 x q8 layer (``direct``) whose row plan takes the rows in one
-    call, that one call and the bias add made here — what :class:`Int4Linear`'s forward does,
-    without its Python layers (only outside dense prefill spans: the caller checks)."""
+    """``module(states)``; for a q4 x q8 layer (``direct``) its kernel over every row, in the
+    row plan's calls, and the bias add made here — what :class:`Int4Linear`'s forward does for
+    decoded rows, without its Python layers (only where no row is in a dense prefill span, or
+    the layer's spans take the kernel too: the caller checks, :func:`_on_kernel`)."""
     rows = states.shape[1]
-    plan = module.row_plan if direct else None
-    if not direct or (plan is not None and not plan.min_rows <= rows <= plan.max_rows):
+    if not direct:
         return module(states)
+    plan = module.row_plan
+    if plan is not None and not plan.min_rows <= rows <= plan.max_rows:  # a prefill on the kernel
+        flat = states.reshape(rows, module.in_features).to(module.compute_dtype).contiguous()
+        out = plan.run(flat, lambda part: q4q8.mm(part, module.q4q8_weights, module.out_features))
+        if module.bias is not None:
+            out = out + module.bias
+        return out.view(1, rows, module.out_features)
     out = q4q8.mm(states.reshape(rows, module.in_features).contiguous(), module.q4q8_weights, module.out_features)
     if module.bias is not None:
         out = out + module.bias
     return out.view(1, rows, module.out_features)
+
+
+def _on_kernel(spans: bool, *parts: nn.Module) -> bool:
+    """Whether the parts multiply every row of this forward on their quantized kernel: no dense
+    prefill span in it, or the parts' spans take the kernel too (``dense_dtype`` ``None``,
+    :func:`disco.models.weight_only.choose_prefill_path`)."""
+    return not spans or all(getattr(part, "dense_dtype", 0) is None for part in parts)
 
 
 def _rms_norm(norm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., hidden]
@@ -256,10 +272,11 @@ class LeanDecoder:
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [1, rows, 1, head_dim]: heads in dim 2
         rows = hidden.shape[1]
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
-        fuse = not dense_spans_active()  # a long prefill block: the separate layers, as HF runs them
+        # A long prefill block whose layers multiply it as dense GEMMs: the separate layers, as HF runs them.
+        spans = dense_spans_active()
         for layer in self.layers:
             states = _rms_norm(layer.input_norm, hidden)
-            if fuse and layer.qkv is not None:
+            if layer.qkv is not None and _on_kernel(spans, layer.q_proj, layer.k_proj, layer.v_proj):
                 qkv = _project(layer.qkv, True, states).view(1, rows, heads + 2 * kv_heads, dim)
                 query_key = qkv[:, :, : heads + kv_heads]
                 value = qkv[:, :, heads + kv_heads:]
@@ -270,14 +287,14 @@ class LeanDecoder:
             query_key = (query_key * cos) + (_rotate_half(query_key) * sin)
             attended = attention(layer.attention, query_key[:, :, :heads].transpose(1, 2),  # [1, heads, rows, dim]
                                  query_key[:, :, heads:].transpose(1, 2), value.transpose(1, 2))  # [1, kv_heads, rows, dim]
-            hidden = hidden + _project(layer.o_proj, fuse and layer.o_direct,
+            hidden = hidden + _project(layer.o_proj, layer.o_direct and _on_kernel(spans, layer.o_proj),
                                        attended.reshape(1, rows, heads * dim).contiguous())
             states = _rms_norm(layer.post_norm, hidden)
-            if fuse and layer.gate_up is not None:
+            if layer.gate_up is not None and _on_kernel(spans, layer.gate_proj, layer.up_proj):
                 gate_up = _project(layer.gate_up, True, states)
                 width = gate_up.shape[-1] // 2
                 mixed = nn.functional.silu(gate_up[..., :width]) * gate_up[..., width:]
             else:
                 mixed = nn.functional.silu(layer.gate_proj(states)) * layer.up_proj(states)
-            hidden = hidden + _project(layer.down_proj, fuse and layer.down_direct, mixed)
+            hidden = hidden + _project(layer.down_proj, layer.down_direct and _on_kernel(spans, layer.down_proj), mixed)
         return _rms_norm(self.decoder.norm, hidden)

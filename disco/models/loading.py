@@ -37,7 +37,7 @@ from disco.models.gguf import SOURCE_FILE, convert_gguf, gguf_source
 from disco.models.gguf_blocks import checked_native_weights
 from disco.models.int4 import use_chosen_kernel
 from disco.models.vocab_subset import use_vocab_subset
-from disco.models.weight_only import choose_dense_dtype
+from disco.models.weight_only import choose_dense_dtype, choose_prefill_path
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +150,8 @@ def load_model(config: ModelConfig, role: str, home: Path, progress: bool = True
         logger.info("%s model %s: %s", role, name, row_stable.stabilize(model))
     if config.dtype in quantize.QUANT_FORMATS and config.device == "cpu":
         logger.info("%s model %s: %s", role, name, choose_dense_dtype(model))
+        if (line := choose_prefill_path(model)) is not None:  # after the row plans: the kernel runs in them
+            logger.info("%s model %s: %s", role, name, line)
     loaded = LoadedModel(
         model=model,
         tokenizer=tokenizer,

@@ -16,6 +16,13 @@ its own rows only (a prefill gives the same cache alone and batched); decoding a
 verification rows always take the row-invariant quantized kernel. The row-stable bf16/fp16
 linears (:mod:`disco.models.row_stable`) split the same way: a span is one plain call instead of
 32-row chunks.
+
+Where the quantized kernel multiplies many rows faster than the dense GEMM (the q4 x q8 kernel
+on a VNNI CPU: a 128-row prefill of the 1.5B int4 target 0.71 s against 1.22 s in bf16 GEMMs
+on a 2-core Zen 4, docs/engines.md "Prefill rows on the kernel"), :func:`choose_prefill_path`
+sets ``dense_dtype = None`` at load: prefill spans then take the kernel too, in the row plan's
+calls. A row's bits still depend on its own row only (the kernel is row-invariant), so a
+prompt gets the same cache alone and batched, in target-only and in speculative decoding.
 """
 
 from __future__ import annotations
@@ -146,6 +153,42 @@ def choose_dense_dtype(model: nn.Module, rows: int = 128) -> str:
             f"bfloat16 {min(seconds[torch.bfloat16]) * 1e3:.1f} ms)")
 
 
+def choose_prefill_path(model: nn.Module, rows: int = 128) -> str | None:
+    """Time a prefill-sized call of the model's largest weight-only linear on its quantized
+    kernel (in the row plan's calls, as decoded rows run) against its dense GEMM (the dtype
+    :func:`choose_dense_dtype` chose), best of 3 each, interleaved; where the kernel is clearly
+    faster (:data:`DENSE_BF16_MARGIN`: a near-tie must not flip a restart's prefill numerics),
+    every weight-only linear multiplies its prefill spans on the kernel (``dense_dtype = None``).
+    Returns a line for the load log (``None``: the model has no weight-only linears)."""
+    linears = [module for module in model.modules() if isinstance(module, WeightOnlyLinear)]
+    if not linears:
+        return None
+    probe = max(linears, key=lambda module: module.in_features * module.out_features
+                if module.out_features < 65536 else 0)  # not the LM head: prefill asks one row of it
+    if probe.dense_dtype is None:
+        return "prefill rows on the quantized kernel (chosen before)"
+    device = next(probe.buffers()).device
+    inputs = torch.randn(rows, probe.in_features, generator=torch.Generator().manual_seed(0)).to(
+        dtype=probe.compute_dtype, device=device)
+    kernel = probe._quantized if probe.row_plan is None else (
+        lambda decoded: probe.row_plan.run(decoded, probe._quantized))
+    seconds: dict[str, list[float]] = {"dense": [], "kernel": []}
+    with torch.no_grad():
+        for _ in range(3):
+            for path, call in (("dense", probe._dense), ("kernel", kernel)):
+                started = _now(device)
+                call(inputs)
+                seconds[path].append(_now(device) - started)
+    dense_dtype = str(probe.dense_dtype).removeprefix("torch.")
+    measured = (f"measured {rows} rows x {probe.out_features}x{probe.in_features}: {dense_dtype} GEMM "
+                f"{min(seconds['dense']) * 1e3:.1f} ms, kernel {min(seconds['kernel']) * 1e3:.1f} ms")
+    if min(seconds["kernel"]) >= DENSE_BF16_MARGIN * min(seconds["dense"]):
+        return f"prefill rows in {dense_dtype} GEMMs ({measured})"
+    for module in linears:
+        module.dense_dtype = None
+    return f"prefill rows on the quantized kernel ({measured})"
+
+
 class WeightOnlyLinear(nn.Module):
     """The forward the weight-only linears share: flatten the leading dimensions, send
     prefill spans to :meth:`_dense` and the other rows to :meth:`_quantized`, add the bias.
@@ -156,8 +199,9 @@ class WeightOnlyLinear(nn.Module):
     #: How calls of decoded rows are cut (a ``disco.models.row_stable.RowPlan``, set by
     #: ``row_stable.stabilize`` at load); ``None``: one call of all rows.
     row_plan = None
-    #: The dtype of the prefill GEMMs (:func:`choose_dense_dtype` sets it at load).
-    dense_dtype = torch.float32
+    #: The dtype of the prefill GEMMs (:func:`choose_dense_dtype` sets it at load); ``None``:
+    #: prefill spans take the quantized kernel too (:func:`choose_prefill_path`).
+    dense_dtype: torch.dtype | None = torch.float32
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -169,7 +213,8 @@ class WeightOnlyLinear(nn.Module):
         rows = x.reshape(-1, self.in_features).to(self.compute_dtype).contiguous()  # [rows, in_features]
         quantized = self._quantized if self.row_plan is None else (
             lambda decoded: self.row_plan.run(decoded, self._quantized))
-        out = split_rows(rows, quantized, self._dense)  # [rows, out_features]
+        # [rows, out_features]
+        out = quantized(rows) if self.dense_dtype is None else split_rows(rows, quantized, self._dense)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
