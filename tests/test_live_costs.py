@@ -41,6 +41,16 @@ def test_live_costs_keep_a_decaying_average_per_row_count():
         LiveCosts(weight=0.0)
 
 
+def test_one_slow_outlier_moves_the_average_little_and_a_sustained_slowdown_is_followed():
+    live = LiveCosts(max_rows=2, weight=0.25)
+    live.observe(1, 0.023)
+    live.observe(1, 0.100)  # one forward ~4x slow (an idle process's first): counted as 2x
+    assert live.seconds_by_rows()[0] == pytest.approx(0.023 * 1.25)
+    for _ in range(20):  # the machine got 5x slower: followed within a few forwards all the same
+        live.observe(1, 0.115)
+    assert live.seconds_by_rows()[0] == pytest.approx(0.115, rel=0.02)
+
+
 def test_live_costs_are_thread_safe():
     live = LiveCosts(max_rows=4)
     threads = [threading.Thread(target=lambda: [live.observe(1 + i % 4, 0.1) for i in range(500)]) for _ in range(4)]

@@ -6,8 +6,11 @@ forwards the engine actually runs (issue 29). :class:`LiveCosts` keeps, for ever
 of a decoding or verification forward (the new tokens of all sessions packed into it), an
 exponentially decaying average of the wall seconds observed: the first observation sets
 it, each later one moves it by :attr:`LiveCosts.weight` (0.25: a level change is followed
-within a few forwards, one slow outlier moves it a quarter of the way). Prefill forwards are
-not recorded: their cost is the prompt's, not a step's.
+within a few forwards), an observation above :data:`MAX_JUMP` times the average counted as
+that much (one slow outlier moves it at most a quarter of the way to twice its value: on a
+2-core Zen 4 the draft's one-row average once read 39 ms against ~23 ms at every other request's
+start, and flipped ``auto``'s request to target-only, docs/engines.md).
+Prefill forwards are not recorded: their cost is the prompt's, not a step's.
 
 The services report the table in ``Info`` (``live_forward_s``) and ``/metrics``; the
 orchestrator's ``auto`` cost model follows it (:func:`disco.speculation.live_model.live_cost_model`).
@@ -27,6 +30,9 @@ from disco.engines.static_step import SESSION_BUCKETS
 MAX_ROWS = SESSION_BUCKETS[-1] * (DEFAULT_MAX_LOOKAHEAD + 1)
 #: How far one observation moves the average.
 WEIGHT = 0.25
+#: An observation counts as at most this multiple of the average (a sustained slowdown is still
+#: followed: each forward may raise the average by up to ``WEIGHT * (MAX_JUMP - 1)``).
+MAX_JUMP = 2.0
 
 
 class LiveCosts:
@@ -48,7 +54,10 @@ class LiveCosts:
             return
         with self._lock:
             previous = self._seconds[rows - 1]
-            self._seconds[rows - 1] = seconds if previous == 0.0 else previous + self.weight * (seconds - previous)
+            if previous == 0.0:
+                self._seconds[rows - 1] = seconds
+            else:
+                self._seconds[rows - 1] = previous + self.weight * (min(seconds, MAX_JUMP * previous) - previous)
             self.observations += 1
 
     def seconds_by_rows(self) -> tuple[float, ...]:
