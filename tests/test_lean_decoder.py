@@ -100,10 +100,11 @@ def test_fused_q4q8_projections_give_the_hf_bits(ops):
     model = q4q8_model(2)
     lean = assert_same(model, PROMPTS, [1, 4, 2])
     assert lean.fused and "4 fused projections" in lean.describe()
-    layer = lean.layers[0]
-    assert layer.qkv is not None and layer.gate_up is not None
+    block = lean.blocks[0]
+    assert block.wqkv.direct is not None and block.w13.direct is not None
     # The parts read views of the fused buffer: no second copy of the weights.
-    assert layer.q_proj.q4q8_weights.untyped_storage().data_ptr() == layer.qkv.q4q8_weights.untyped_storage().data_ptr()
+    q_proj = block.wqkv.parts[0]
+    assert q_proj.q4q8_weights.untyped_storage().data_ptr() == block.wqkv.direct.q4q8_weights.untyped_storage().data_ptr()
     assert_same(model, [list(range(1, 60)), PROMPTS[0]], [1, 3])  # dense spans: the separate layers
 
 

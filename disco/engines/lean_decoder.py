@@ -57,24 +57,75 @@ _NORM_CLASSES = ("Qwen2RMSNorm", "LlamaRMSNorm")
 Attention = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-@dataclass(frozen=True)
-class _Layer:
-    """One decoder layer's parts (the model's own modules, plus the fused projections)."""
+@dataclass(frozen=True, slots=True)
+class Projection:
+    """One projection of a block, as gpt-fast names them (``wqkv``, ``wo``, ``w13``, ``w2``): the
+    model's linear layers side by side (q, k, v; gate, up; or one), and, where they are q4 x q8
+    int4 layers, ``direct``: the one layer whose kernel is called for all of them (their fused
+    weights, :func:`_fused`; a single part itself).
 
-    input_norm: nn.Module
-    post_norm: nn.Module
-    attention: nn.Module  # the HF attention module: its layer index and scaling
-    q_proj: nn.Module
-    k_proj: nn.Module
-    v_proj: nn.Module
-    o_proj: nn.Module
-    gate_proj: nn.Module
-    up_proj: nn.Module
-    down_proj: nn.Module
-    qkv: nn.Module | None  # q, k and v in one call (fused q4 x q8 weights), or None
-    gate_up: nn.Module | None
-    o_direct: bool  # o_proj / down_proj are q4 x q8 layers (their kernel called directly)
-    down_direct: bool
+    Calling it gives the parts' outputs side by side ``[1, rows, sum of out_features]``: one
+    kernel call over ``direct`` where every row of the forward runs on the kernel
+    (:func:`_on_kernel`), else the parts called as HF calls them (dense prefill spans)."""
+
+    parts: tuple[nn.Module, ...]
+    direct: Int4Linear | None = None
+
+    def __call__(self, states: torch.Tensor, spans: bool) -> torch.Tensor:  # [1, rows, in] -> [1, rows, out]
+        if self.direct is not None and (not spans or _on_kernel(spans, *self.parts)):
+            return _project(self.direct, states)
+        if len(self.parts) == 1:
+            return self.parts[0](states)
+        return torch.cat([part(states) for part in self.parts], dim=-1)
+
+    def reads(self, parts: tuple[nn.Module, ...]) -> bool:
+        """Whether this projection still reads the model's ``parts``: the same modules and, for
+        fused weights, the same row plan and the parts still reading their views of them."""
+        if parts != self.parts:  # identity first (modules compare by identity)
+            return False
+        direct = self.direct
+        if direct is None or direct is parts[0]:
+            return True
+        if direct.row_plan != parts[0].row_plan:
+            return False
+        for part, view in zip(parts, direct.part_views):
+            if part.__dict__.get("q4q8_weights") is not view:
+                return False
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """One decoder layer: its two norms (the model's modules), its projections and its attention
+    module (its layer index and scaling, read by the attention callback)."""
+
+    attention_norm: nn.Module
+    wqkv: Projection
+    attention: nn.Module
+    wo: Projection
+    ffn_norm: nn.Module
+    w13: Projection
+    w2: Projection
+
+    @property
+    def fused(self) -> int:
+        """Projections of several parts that run as one kernel call."""
+        return sum(projection.direct is not None for projection in (self.wqkv, self.w13))
+
+
+def _block(layer: nn.Module, fuse: bool) -> Block:
+    attention, mlp = layer.self_attn, layer.mlp
+
+    def projection(*parts: nn.Module) -> Projection:
+        if not fuse:
+            return Projection(parts)
+        if len(parts) == 1:
+            return Projection(parts, parts[0] if _kernel_direct(parts[0]) else None)
+        return Projection(parts, _fused(list(parts)) if _fusable(list(parts)) else None)
+
+    return Block(layer.input_layernorm, projection(attention.q_proj, attention.k_proj, attention.v_proj), attention,
+                 projection(attention.o_proj), layer.post_attention_layernorm,
+                 projection(mlp.gate_proj, mlp.up_proj), projection(mlp.down_proj))
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
@@ -144,22 +195,18 @@ def _kernel_direct(module: nn.Module) -> bool:
     return isinstance(module, Int4Linear) and module.kernel in q4q8.KERNELS
 
 
-def _project(module: nn.Module, direct: bool, states: torch.Tensor) -> torch.Tensor:  # [1, rows, in] -> [1, rows, out]
-    """``module(states)``; for a q4 x q8 layer (``direct``) its kernel over every row, in the
-    row plan's calls, and the bias add made here — what :class:`Int4Linear`'s forward does for
-    decoded rows, without its Python layers (only where no row is in a dense prefill span, or
-    the layer's spans take the kernel too: the caller checks, :func:`_on_kernel`)."""
+def _project(module: Int4Linear, states: torch.Tensor) -> torch.Tensor:  # [1, rows, in] -> [1, rows, out]
+    """A q4 x q8 layer's kernel over every row, in the row plan's calls, and the bias add made
+    here — what :class:`Int4Linear`'s forward does for decoded rows, without its Python layers
+    (only where no row is in a dense prefill span, or the layer's spans take the kernel too: the
+    caller checks, :func:`_on_kernel`)."""
     rows = states.shape[1]
-    if not direct:
-        return module(states)
     plan = module.row_plan
     if plan is not None and not plan.min_rows <= rows <= plan.max_rows:  # a prefill on the kernel
         flat = states.reshape(rows, module.in_features).to(module.compute_dtype).contiguous()
         out = plan.run(flat, lambda part: q4q8.mm(part, module.q4q8_weights, module.out_features))
-        if module.bias is not None:
-            out = out + module.bias
-        return out.view(1, rows, module.out_features)
-    out = q4q8.mm(states.reshape(rows, module.in_features).contiguous(), module.q4q8_weights, module.out_features)
+    else:
+        out = q4q8.mm(states.reshape(rows, module.in_features).contiguous(), module.q4q8_weights, module.out_features)
     if module.bias is not None:
         out = out + module.bias
     return out.view(1, rows, module.out_features)
@@ -199,17 +246,7 @@ class LeanDecoder:
         self.decoder = decoder
         self.shape = DecoderShape.of(model)
         self.heads, self.kv_heads, self.head_dim = self.shape.heads, self.shape.kv_heads, self.shape.head_dim
-        self.layers: list[_Layer] = []
-        for layer in decoder.layers:
-            attention, mlp = layer.self_attn, layer.mlp
-            qkv_parts = [attention.q_proj, attention.k_proj, attention.v_proj]
-            gate_up_parts = [mlp.gate_proj, mlp.up_proj]
-            self.layers.append(_Layer(
-                layer.input_layernorm, layer.post_attention_layernorm, attention, *qkv_parts, attention.o_proj,
-                *gate_up_parts, mlp.down_proj,
-                qkv=_fused(qkv_parts) if fuse and _fusable(qkv_parts) else None,
-                gate_up=_fused(gate_up_parts) if fuse and _fusable(gate_up_parts) else None,
-                o_direct=fuse and _kernel_direct(attention.o_proj), down_direct=fuse and _kernel_direct(mlp.down_proj)))
+        self.blocks: tuple[Block, ...] = tuple(_block(layer, fuse) for layer in decoder.layers)
 
     def is_current(self) -> bool:
         """Whether the model still has the modules (and fused weights, row plans) this decoder
@@ -217,35 +254,27 @@ class LeanDecoder:
         forward gets a new one. Checked before every forward, so it reads the modules' own
         dicts (``nn.Module.__getattr__`` made it ~6x slower: 174 us for the 28-layer target)."""
         layers = self.decoder._modules["layers"]._modules
-        if len(layers) != len(self.layers):
+        if len(layers) != len(self.blocks):
             return False
-        for layer, parts in zip(layers.values(), self.layers):
+        for layer, block in zip(layers.values(), self.blocks):
             children = layer._modules
-            attention, mlp = children["self_attn"], children["mlp"]
-            if attention is not parts.attention:
+            attention = children["self_attn"]
+            if attention is not block.attention:
                 return False
-            projections, feed_forward = attention._modules, mlp._modules
-            if (projections["q_proj"] is not parts.q_proj or projections["k_proj"] is not parts.k_proj
-                    or projections["v_proj"] is not parts.v_proj or projections["o_proj"] is not parts.o_proj
-                    or feed_forward["gate_proj"] is not parts.gate_proj or feed_forward["up_proj"] is not parts.up_proj
-                    or feed_forward["down_proj"] is not parts.down_proj):
+            projections, feed_forward = attention._modules, children["mlp"]._modules
+            if not (block.wqkv.reads((projections["q_proj"], projections["k_proj"], projections["v_proj"]))
+                    and block.wo.reads((projections["o_proj"],))
+                    and block.w13.reads((feed_forward["gate_proj"], feed_forward["up_proj"]))
+                    and block.w2.reads((feed_forward["down_proj"],))):
                 return False
-            for fused, members in ((parts.qkv, (parts.q_proj, parts.k_proj, parts.v_proj)),
-                                   (parts.gate_up, (parts.gate_proj, parts.up_proj))):
-                if fused is not None and (fused.row_plan != members[0].row_plan or any(
-                        member.__dict__.get("q4q8_weights") is not view
-                        for member, view in zip(members, fused.part_views))):
-                    return False
         return True
 
     @property
     def fused(self) -> bool:
-        return any(layer.qkv is not None or layer.gate_up is not None for layer in self.layers)
+        return any(block.fused for block in self.blocks)
 
     def describe(self) -> str:
-        fused = sum(layer.qkv is not None for layer in self.layers) + sum(
-            layer.gate_up is not None for layer in self.layers)
-        return f"lean decoder ({len(self.layers)} layers, {fused} fused projections)"
+        return f"lean decoder ({len(self.blocks)} layers, {sum(block.fused for block in self.blocks)} fused projections)"
 
     def __call__(self, input_ids: torch.Tensor,  # [1, rows]
                  position_ids: torch.Tensor,  # [1, rows]
@@ -260,41 +289,29 @@ class LeanDecoder:
                                  scaling=module.scaling)
             return attended
 
-        return self.run(input_ids, position_ids, packed)
+        return self.forward(input_ids, position_ids, packed)
 
-    def run(self, input_ids: torch.Tensor,  # [1, rows]
-            position_ids: torch.Tensor,  # [1, rows]
-            attention: Attention) -> torch.Tensor:  # [1, rows, hidden]
-        """The layers over ``input_ids`` with ``attention`` (which stores the keys and values
-        where its caches live and returns ``[1, rows, heads, head_dim]``); the last hidden states."""
-        hidden = self.decoder.embed_tokens(input_ids)  # [1, rows, hidden]
-        cos, sin = self.decoder.rotary_emb(hidden, position_ids)  # each [1, rows, head_dim]
+    def forward(self, tokens: torch.Tensor,  # [1, rows]
+                positions: torch.Tensor,  # [1, rows]
+                attention: Attention) -> torch.Tensor:  # [1, rows, hidden]
+        """The blocks over ``tokens`` with ``attention`` (which stores the keys and values where
+        its caches live and returns ``[1, rows, heads, head_dim]``); the last hidden states."""
+        hidden = self.decoder.embed_tokens(tokens)  # [1, rows, hidden]
+        cos, sin = self.decoder.rotary_emb(hidden, positions)  # each [1, rows, head_dim]
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [1, rows, 1, head_dim]: heads in dim 2
         rows = hidden.shape[1]
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
-        # A long prefill block whose layers multiply it as dense GEMMs: the separate layers, as HF runs them.
+        # A long prefill block whose layers multiply it as dense GEMMs: the parts, as HF runs them.
         spans = dense_spans_active()
-        for layer in self.layers:
-            states = _rms_norm(layer.input_norm, hidden)
-            if layer.qkv is not None and _on_kernel(spans, layer.q_proj, layer.k_proj, layer.v_proj):
-                qkv = _project(layer.qkv, True, states).view(1, rows, heads + 2 * kv_heads, dim)
-                query_key = qkv[:, :, : heads + kv_heads]
-                value = qkv[:, :, heads + kv_heads:]
-            else:
-                query_key = torch.cat([layer.q_proj(states).view(1, rows, heads, dim),
-                                       layer.k_proj(states).view(1, rows, kv_heads, dim)], dim=2)
-                value = layer.v_proj(states).view(1, rows, kv_heads, dim)
+        for block in self.blocks:
+            qkv = block.wqkv(_rms_norm(block.attention_norm, hidden), spans).view(1, rows, heads + 2 * kv_heads, dim)
+            query_key = qkv[:, :, : heads + kv_heads]
             query_key = (query_key * cos) + (_rotate_half(query_key) * sin)
-            attended = attention(layer.attention, query_key[:, :, :heads].transpose(1, 2),  # [1, heads, rows, dim]
-                                 query_key[:, :, heads:].transpose(1, 2), value.transpose(1, 2))  # [1, kv_heads, rows, dim]
-            hidden = hidden + _project(layer.o_proj, layer.o_direct and _on_kernel(spans, layer.o_proj),
-                                       attended.reshape(1, rows, heads * dim).contiguous())
-            states = _rms_norm(layer.post_norm, hidden)
-            if layer.gate_up is not None and _on_kernel(spans, layer.gate_proj, layer.up_proj):
-                gate_up = _project(layer.gate_up, True, states)
-                width = gate_up.shape[-1] // 2
-                mixed = nn.functional.silu(gate_up[..., :width]) * gate_up[..., width:]
-            else:
-                mixed = nn.functional.silu(layer.gate_proj(states)) * layer.up_proj(states)
-            hidden = hidden + _project(layer.down_proj, layer.down_direct and _on_kernel(spans, layer.down_proj), mixed)
+            attended = attention(block.attention, query_key[:, :, :heads].transpose(1, 2),  # [1, heads, rows, dim]
+                                 query_key[:, :, heads:].transpose(1, 2),  # [1, kv_heads, rows, dim]
+                                 qkv[:, :, heads + kv_heads:].transpose(1, 2))  # [1, kv_heads, rows, dim]
+            hidden = hidden + block.wo(attended.reshape(1, rows, heads * dim).contiguous(), spans)
+            gate_up = block.w13(_rms_norm(block.ffn_norm, hidden), spans)  # [1, rows, 2 * intermediate]
+            width = gate_up.shape[-1] // 2
+            hidden = hidden + block.w2(nn.functional.silu(gate_up[..., :width]) * gate_up[..., width:], spans)
         return _rms_norm(self.decoder.norm, hidden)

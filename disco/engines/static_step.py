@@ -217,9 +217,9 @@ class StaticStep:
         """The step from the input buffers alone (no host value read, fixed shapes)."""
         positions = self.lengths[:, None] + self._offsets  # [sessions, block]
         layout = self._layout(positions)
-        hidden = self.lean.run(self.tokens.reshape(1, -1), positions.reshape(1, -1),
-                               lambda module, query, key, value: self._attend(module, query, key, value,
-                                                                              positions, *layout))
+        hidden = self.lean.forward(self.tokens.reshape(1, -1), positions.reshape(1, -1),
+                                   lambda module, query, key, value: self._attend(module, query, key, value,
+                                                                                  positions, *layout))
         logits = self.lean.model.get_output_embeddings()(hidden[0])  # [rows, vocab]
         return logits.view(self.bucket.sessions, self.bucket.block, -1)
 
