@@ -33,11 +33,11 @@ def test_the_kernel_takes_prefills_only_where_it_is_clearly_faster(monkeypatch):
     model = q4q8_free_model(0)
     _timed(monkeypatch, dense_ms=10.0, kernel_ms=9.5)  # within the margin: a near-tie keeps the GEMMs
     line = choose_prefill_path(model)
-    assert line.startswith("prefill rows in float32 GEMMs") and "kernel 9.5 ms" in line
+    assert line.startswith("prefill rows in float32 GEMMs") and "kernel 9.50 ms" in line
     assert all(module.dense_dtype == torch.float32 for module in _linears(model))
     _timed(monkeypatch, dense_ms=10.0, kernel_ms=6.0)
     line = choose_prefill_path(model)
-    assert line.startswith("prefill rows on the quantized kernel") and "float32 GEMM 10.0 ms, kernel 6.0 ms" in line
+    assert line.startswith("prefill rows on the quantized kernel") and "float32 GEMM 10.00 ms, kernel 6.00 ms" in line
     assert all(module.dense_dtype is None for module in _linears(model))
     assert choose_prefill_path(tiny.qwen2(0)) is None  # no weight-only linears: nothing to choose
 

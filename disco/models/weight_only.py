@@ -181,7 +181,7 @@ def choose_prefill_path(model: nn.Module, rows: int = 128) -> str | None:
                 seconds[path].append(_now(device) - started)
     dense_dtype = str(probe.dense_dtype).removeprefix("torch.")
     measured = (f"measured {rows} rows x {probe.out_features}x{probe.in_features}: {dense_dtype} GEMM "
-                f"{min(seconds['dense']) * 1e3:.1f} ms, kernel {min(seconds['kernel']) * 1e3:.1f} ms")
+                f"{min(seconds['dense']) * 1e3:.2f} ms, kernel {min(seconds['kernel']) * 1e3:.2f} ms")
     if min(seconds["kernel"]) >= DENSE_BF16_MARGIN * min(seconds["dense"]):
         return f"prefill rows in {dense_dtype} GEMMs ({measured})"
     for module in linears:
