@@ -284,4 +284,4 @@ def service_info_pb(role: str, loaded: LoadedModel, max_context: int, active_ses
         version=disco.__version__, elapsed_ns=elapsed_ns(started_ns), forward_s=list(forward_s),
         overlap=overlap, batching=batching, live_forward_s=list(live_forward_s), exactness=exactness,
         kernel=loaded.kernel, security=security, prefill_s_per_token=prefill_s_per_token,
-        prefill_window=prefill_window)
+        prefill_window=prefill_window, prefill=loaded.prefill)

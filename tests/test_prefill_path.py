@@ -95,3 +95,25 @@ def test_a_kernel_prefill_runs_the_fused_projections(ops, monkeypatch):  # noqa:
         module.dense_dtype = None
     _prefill_caches(model, [long_prompt])
     assert len(calls) == 4 * len(lean_decoder_for(model).blocks)  # wqkv, wo, w13, w2: one kernel call each
+
+
+def test_info_says_how_a_loaded_engine_prefills(tiny_pair_dirs, tmp_path, monkeypatch):
+    """``Info.prefill``: the path chosen at load (the kernel where it measured clearly faster),
+    empty for engines without weight-only linears."""
+    from disco.config import ModelConfig  # noqa: PLC0415
+    from disco.engines.sessions import SessionLimits  # noqa: PLC0415
+    from disco.models import loading  # noqa: PLC0415
+    from disco.models.loading import load_model  # noqa: PLC0415
+    from protos.convert import service_info_pb  # noqa: PLC0415
+
+    monkeypatch.setattr(loading, "choose_dense_dtype", lambda model: "prefill GEMMs in float32 (not timed here)")
+    _timed(monkeypatch, dense_ms=10.0, kernel_ms=6.0)
+    loaded = load_model(ModelConfig(spec=str(tiny_pair_dirs["draft"]), dtype="int8"), "draft", tmp_path, progress=False)
+    assert loaded.prefill == "kernel" == weight_only.prefill_path(loaded.model)
+    assert service_info_pb("draft", loaded, 64, 0, SessionLimits(), 0).prefill == "kernel"
+    for module in _linears(loaded.model):
+        module.dense_dtype = torch.bfloat16
+    assert weight_only.prefill_path(loaded.model) == "bfloat16 GEMM"
+    dense = load_model(ModelConfig(spec=str(tiny_pair_dirs["draft"]), dtype="float32"), "draft", tmp_path,
+                       progress=False)
+    assert dense.prefill == "" and service_info_pb("draft", dense, 64, 0, SessionLimits(), 0).prefill == ""

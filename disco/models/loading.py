@@ -37,7 +37,7 @@ from disco.models.gguf import SOURCE_FILE, convert_gguf, gguf_source
 from disco.models.gguf_blocks import checked_native_weights
 from disco.models.int4 import use_chosen_kernel
 from disco.models.vocab_subset import use_vocab_subset
-from disco.models.weight_only import choose_dense_dtype, choose_prefill_path
+from disco.models.weight_only import choose_dense_dtype, choose_prefill_path, prefill_path
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +73,9 @@ class LoadedModel:
             (:func:`disco.models.q4q8.choose_kernel`: a build of :data:`disco.models.q4q8.KERNELS`,
             e.g. ``"q4q8-amx"``, or ``"int4pack"``); empty
             for the other engines.
+        prefill: how the weight-only engines multiply prefill blocks on this machine
+            (:func:`disco.models.weight_only.prefill_path`: ``"kernel"``, ``"bfloat16 GEMM"`` or
+            ``"float32 GEMM"``); empty for the other engines.
     """
 
     model: PreTrainedModel
@@ -84,6 +87,7 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     engine: str = ""
     kernel: str = ""
+    prefill: str = ""
 
 
 def disco_home() -> Path:
@@ -162,6 +166,7 @@ def load_model(config: ModelConfig, role: str, home: Path, progress: bool = True
         eos_token_ids=_eos_token_ids(model, tokenizer),
         engine=config.dtype,
         kernel=kernel,
+        prefill=prefill_path(model),
     )
     logger.info(
         "loaded %s model %s in %.1f s (vocab %d, eos %s, fingerprint %s)",

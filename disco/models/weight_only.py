@@ -153,6 +153,14 @@ def choose_dense_dtype(model: nn.Module, rows: int = 128) -> str:
             f"bfloat16 {min(seconds[torch.bfloat16]) * 1e3:.1f} ms)")
 
 
+def prefill_path(model: nn.Module) -> str:
+    """How the model's weight-only linears multiply prefill spans (``Info.prefill``): ``"kernel"``,
+    ``"bfloat16 GEMM"`` or ``"float32 GEMM"``, several joined by ``+``; empty without such linears."""
+    paths = sorted({"kernel" if module.dense_dtype is None else f"{str(module.dense_dtype).removeprefix('torch.')} GEMM"
+                    for module in model.modules() if isinstance(module, WeightOnlyLinear)})
+    return "+".join(paths)
+
+
 def choose_prefill_path(model: nn.Module, rows: int = 128) -> str | None:
     """Time a prefill-sized call of the model's largest weight-only linear on its quantized
     kernel (in the row plan's calls, as decoded rows run) against its dense GEMM (the dtype

@@ -43,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"          exactness: {model['exactness']}")
         if model and model.get("security"):
             print(f"          security: {model['security']}")
+        if model and model.get("prefill"):  # the weight-only engines' prefill path
+            print(f"          prefill: {model['prefill']}")
     limits = info["limits"]
     print(f"  requests: {active['orchestrator']}/{limits['max_sessions']} active, max_new_tokens <= "
           f"{limits['max_new_tokens']}, max_lookahead <= {limits['max_lookahead']}")
