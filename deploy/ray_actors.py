@@ -124,7 +124,7 @@ class ModelService:
         self._running = module.serve(loaded, host=host, port=0, limits=self._limits, tls=self._tls,
                                      metrics_port=0 if metrics else None, security=security, **options)
         if self._running.metrics is not None:
-            self._running.metrics.describe_engine(model["dtype"], model.get("device", "cpu"))
+            self._running.metrics.describe_engine(model["dtype"], model.get("device", "cpu"), prefill=loaded.prefill)
         self._address = _advertised(host, self._running.port)
         self._service = f"disco.v1.{'DraftService' if role == 'draft' else 'TargetService'}"
         self._model = {"name": loaded.name, "dtype": model.get("dtype"), "device": model.get("device"),

@@ -213,10 +213,11 @@ def test_engine_is_reported_by_info_and_metrics(tiny_pair_dirs, tmp_path):
     info = service_info_pb("target", loaded, 512, 0, SessionLimits(), 0)
     assert info.dtype == "int8"
     metrics = ServerMetrics("target", loaded.name)
-    metrics.describe_engine("int8", "cpu", (0.25, 0.26, 0.3))
+    metrics.describe_engine("int8", "cpu", (0.25, 0.26, 0.3), loaded.prefill)
     text = metrics.exposition()
     assert 'disco_engine_info{device="cpu",engine="int8"} 1.0' in text
     assert 'disco_engine_forward_seconds{new_tokens="3"} 0.3' in text
+    assert loaded.prefill and f'disco_prefill_info{{path="{loaded.prefill}"}} 1.0' in text  # chosen at load
 
 
 def test_generate_cli_names_the_int8_engine(capsys, tiny_pair_dirs, tmp_path, monkeypatch):

@@ -205,7 +205,7 @@ def _run_backend(args: argparse.Namespace) -> int:
     else:
         running = target_service.server.serve(loaded, **options)
     if running.metrics is not None:
-        running.metrics.describe_engine(config.dtype, config.device, costs.forward_s if costs else ())
+        running.metrics.describe_engine(config.dtype, config.device, costs.forward_s if costs else (), loaded.prefill)
     _announce(args.role, running.address, loaded.name, args.json, running.metrics_address)
     serve_until_signal([running])
     return 0

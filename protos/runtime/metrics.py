@@ -126,13 +126,18 @@ class ServerMetrics:
         self.predrafted_used.inc(used)
         self.predrafted_wasted.inc(wasted)
 
-    def describe_engine(self, engine: str, device: str, forward_s: Sequence[float] = ()) -> None:
-        """Name the engine this backend runs (``disco_engine_info``) and expose its measured
-        forward costs (``disco_engine_forward_seconds{new_tokens="k"}``, from
-        :mod:`disco.engines.engine_costs`)."""
+    def describe_engine(self, engine: str, device: str, forward_s: Sequence[float] = (), prefill: str = "") -> None:
+        """Name the engine this backend runs (``disco_engine_info``), how it multiplies prefill
+        blocks where it had a choice (``disco_prefill_info{path}``, ``Info.prefill``: the
+        weight-only engines) and expose its measured forward costs
+        (``disco_engine_forward_seconds{new_tokens="k"}``, from :mod:`disco.engines.engine_costs`)."""
         Info("disco_engine", "The engine the model runs as (concrete dtype; int8 = int8 weight-only, "
              "bfloat16 activations) and its device", registry=self.registry).info(
             {"engine": engine, "device": device})
+        if prefill:
+            Info("disco_prefill", "How prompt prefill blocks are multiplied, chosen by measurement at load: kernel "
+                 "(the decoded rows' kernel) or a dense GEMM's dtype; replicas that differ prefill with other "
+                 "numerics", registry=self.registry).info({"path": prefill})
         if forward_s:
             gauge = Gauge("disco_engine_forward_seconds",
                           "Measured seconds of one model forward over new_tokens new tokens after a ~200-token "
