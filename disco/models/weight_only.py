@@ -119,6 +119,32 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
+def _prefill_probe(model: nn.Module, rows: int) -> tuple[list["WeightOnlyLinear"], "WeightOnlyLinear", torch.Tensor]:
+    """The model's weight-only linears, the largest of them (not the LM head: a prefill asks one
+    row of it) and ``rows`` fixed random inputs for it on its device; no linears: ``([], None, None)``."""
+    linears = [module for module in model.modules() if isinstance(module, WeightOnlyLinear)]
+    if not linears:
+        return [], None, None
+    probe = max(linears, key=lambda module: module.in_features * module.out_features
+                if module.out_features < 65536 else 0)
+    device = next(probe.buffers()).device  # the timers wait for its queued kernels (CUDA)
+    inputs = torch.randn(rows, probe.in_features, generator=torch.Generator().manual_seed(0)).to(
+        dtype=probe.compute_dtype, device=device)
+    return linears, probe, inputs
+
+
+def _best_seconds(device: torch.device, calls: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """Each call's best of 3, the calls interleaved (a busy moment hits all of them alike)."""
+    seconds: dict[str, list[float]] = {name: [] for name in calls}
+    with torch.no_grad():
+        for _ in range(3):
+            for name, call in calls.items():
+                started = _now(device)
+                call()
+                seconds[name].append(_now(device) - started)
+    return {name: min(values) for name, values in seconds.items()}
+
+
 def choose_dense_dtype(model: nn.Module, rows: int = 128) -> str:
     """Time a prefill-sized GEMM of the model's largest weight-only linear in float32 and in
     bfloat16 (:func:`chunked_gemm`, best of 3 each, interleaved) and give every weight-only
@@ -126,31 +152,25 @@ def choose_dense_dtype(model: nn.Module, rows: int = 128) -> str:
     in hardware: AMX, AVX-512-BF16), else float32.
     A prefill block's bits depend only on its own rows either way. Returns a line for the
     load log."""
-    linears = [module for module in model.modules() if isinstance(module, WeightOnlyLinear)]
+    linears, probe, inputs = _prefill_probe(model, rows)
     if not linears:
         return "no weight-only linears"
-    probe = max(linears, key=lambda module: module.in_features * module.out_features
-                if module.out_features < 65536 else 0)  # not the LM head: prefill asks one row of it
-    device = next(probe.buffers()).device  # the timers wait for its queued kernels (CUDA)
-    inputs = torch.randn(rows, probe.in_features, generator=torch.Generator().manual_seed(0)).to(
-        dtype=probe.compute_dtype, device=device)
-    seconds = {torch.float32: [], torch.bfloat16: []}
-    with torch.no_grad():
-        for _ in range(3):
-            for dtype, timings in seconds.items():
-                probe.dense_dtype = dtype
-                started = _now(device)
-                probe._dense(inputs)
-                timings.append(_now(device) - started)
+
+    def dense(dtype: torch.dtype) -> Callable[[], object]:
+        def call() -> object:
+            probe.dense_dtype = dtype
+            return probe._dense(inputs)
+        return call
+
+    seconds = _best_seconds(inputs.device, {"float32": dense(torch.float32), "bfloat16": dense(torch.bfloat16)})
     # bf16 must win clearly: where both cost about the same, noise must not flip a restart's
     # prefill numerics (a near-tie could then differ between two starts or two replicas).
-    best = torch.bfloat16 if min(seconds[torch.bfloat16]) < DENSE_BF16_MARGIN * min(seconds[torch.float32]) \
-        else torch.float32
+    best = torch.bfloat16 if seconds["bfloat16"] < DENSE_BF16_MARGIN * seconds["float32"] else torch.float32
     for module in linears:
         module.dense_dtype = best
     return (f"prefill GEMMs in {str(best).removeprefix('torch.')} (measured {rows} rows x "
-            f"{probe.out_features}x{probe.in_features}: float32 {min(seconds[torch.float32]) * 1e3:.1f} ms, "
-            f"bfloat16 {min(seconds[torch.bfloat16]) * 1e3:.1f} ms)")
+            f"{probe.out_features}x{probe.in_features}: float32 {seconds['float32'] * 1e3:.1f} ms, "
+            f"bfloat16 {seconds['bfloat16'] * 1e3:.1f} ms)")
 
 
 def prefill_path(model: nn.Module) -> str:
@@ -168,29 +188,19 @@ def choose_prefill_path(model: nn.Module, rows: int = 128) -> str | None:
     faster (:data:`DENSE_BF16_MARGIN`: a near-tie must not flip a restart's prefill numerics),
     every weight-only linear multiplies its prefill spans on the kernel (``dense_dtype = None``).
     Returns a line for the load log (``None``: the model has no weight-only linears)."""
-    linears = [module for module in model.modules() if isinstance(module, WeightOnlyLinear)]
+    linears, probe, inputs = _prefill_probe(model, rows)
     if not linears:
         return None
-    probe = max(linears, key=lambda module: module.in_features * module.out_features
-                if module.out_features < 65536 else 0)  # not the LM head: prefill asks one row of it
     if probe.dense_dtype is None:
         return "prefill rows on the quantized kernel (chosen before)"
-    device = next(probe.buffers()).device
-    inputs = torch.randn(rows, probe.in_features, generator=torch.Generator().manual_seed(0)).to(
-        dtype=probe.compute_dtype, device=device)
-    kernel = probe._quantized if probe.row_plan is None else (
-        lambda decoded: probe.row_plan.run(decoded, probe._quantized))
-    seconds: dict[str, list[float]] = {"dense": [], "kernel": []}
-    with torch.no_grad():
-        for _ in range(3):
-            for path, call in (("dense", probe._dense), ("kernel", kernel)):
-                started = _now(device)
-                call(inputs)
-                seconds[path].append(_now(device) - started)
+    plan = probe.row_plan
+    seconds = _best_seconds(inputs.device, {
+        "dense": lambda: probe._dense(inputs),
+        "kernel": lambda: probe._quantized(inputs) if plan is None else plan.run(inputs, probe._quantized)})
     dense_dtype = str(probe.dense_dtype).removeprefix("torch.")
     measured = (f"measured {rows} rows x {probe.out_features}x{probe.in_features}: {dense_dtype} GEMM "
-                f"{min(seconds['dense']) * 1e3:.2f} ms, kernel {min(seconds['kernel']) * 1e3:.2f} ms")
-    if min(seconds["kernel"]) >= DENSE_BF16_MARGIN * min(seconds["dense"]):
+                f"{seconds['dense'] * 1e3:.2f} ms, kernel {seconds['kernel'] * 1e3:.2f} ms")
+    if seconds["kernel"] >= DENSE_BF16_MARGIN * seconds["dense"]:
         return f"prefill rows in {dense_dtype} GEMMs ({measured})"
     for module in linears:
         module.dense_dtype = None
