@@ -43,6 +43,7 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from disco.engines.decoder_shape import DecoderShape
+from disco.engines.native_loop import NativeLoop, native_loop
 from disco.models import q4q8
 from disco.models.int4 import Int4Linear
 from disco.models.weight_only import dense_spans_active
@@ -240,13 +241,18 @@ class LeanDecoder:
     :func:`disco.engines.packed_forward.supports_packing` (its attention is the packed one).
     Built and checked by :func:`disco.engines.packed_forward.lean_decoder_for`."""
 
-    def __init__(self, model: nn.Module, fuse: bool = True) -> None:
+    def __init__(self, model: nn.Module, fuse: bool = True, native: bool = True) -> None:
         self.model = model
         decoder = model.get_decoder()
         self.decoder = decoder
         self.shape = DecoderShape.of(model)
         self.heads, self.kv_heads, self.head_dim = self.shape.heads, self.shape.kv_heads, self.shape.head_dim
         self.blocks: tuple[Block, ...] = tuple(_block(layer, fuse) for layer in decoder.layers)
+        # The layer loop in C++ for decoding and verification rows (disco.engines.native_loop).
+        self.native: NativeLoop | None = None
+        self.native_off = "off"  # why there is none
+        if native:
+            self.native, self.native_off = native_loop(self)
 
     def is_current(self) -> bool:
         """Whether the model still has the modules (and fused weights, row plans) this decoder
@@ -274,13 +280,20 @@ class LeanDecoder:
         return any(block.fused for block in self.blocks)
 
     def describe(self) -> str:
-        return f"lean decoder ({len(self.blocks)} layers, {sum(block.fused for block in self.blocks)} fused projections)"
+        loop = "layer loop in C++ for decoding rows" if self.native is not None else f"Python layer loop ({self.native_off})"
+        return (f"lean decoder ({len(self.blocks)} layers, {sum(block.fused for block in self.blocks)} fused projections, "
+                f"{loop})")
 
     def __call__(self, input_ids: torch.Tensor,  # [1, rows]
                  position_ids: torch.Tensor,  # [1, rows]
                  packed_cache) -> torch.Tensor:  # a disco.engines.packed_forward.PackedCache
         """The last hidden states ``[1, rows, hidden]`` (after the final norm); extends every
         session's cache in place, as the HF decoder does through the packed cache."""
+        hidden, cos, sin = self._inputs(input_ids, position_ids)
+        if self.native is not None and not dense_spans_active():
+            out = self.native.run(hidden, cos, sin, packed_cache)
+            if out is not None:
+                return _rms_norm(self.decoder.norm, out)
         attend = ALL_ATTENTION_FUNCTIONS[self.model.config._attn_implementation]  # the packed forward's attention
 
         def packed(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -289,16 +302,27 @@ class LeanDecoder:
                                  scaling=module.scaling)
             return attended
 
-        return self.forward(input_ids, position_ids, packed)
+        return self._layers(hidden, cos, sin, packed)
+
+    def _inputs(self, tokens: torch.Tensor,  # [1, rows]
+                positions: torch.Tensor  # [1, rows]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The embedded tokens ``[1, rows, hidden]`` and the rotary ``cos``, ``sin`` ``[1, rows, 1, head_dim]``."""
+        hidden = self.decoder.embed_tokens(tokens)  # [1, rows, hidden]
+        cos, sin = self.decoder.rotary_emb(hidden, positions)  # each [1, rows, head_dim]
+        return hidden, cos.unsqueeze(2), sin.unsqueeze(2)  # heads in dim 2
 
     def forward(self, tokens: torch.Tensor,  # [1, rows]
                 positions: torch.Tensor,  # [1, rows]
                 attention: Attention) -> torch.Tensor:  # [1, rows, hidden]
         """The blocks over ``tokens`` with ``attention`` (which stores the keys and values where
         its caches live and returns ``[1, rows, heads, head_dim]``); the last hidden states."""
-        hidden = self.decoder.embed_tokens(tokens)  # [1, rows, hidden]
-        cos, sin = self.decoder.rotary_emb(hidden, positions)  # each [1, rows, head_dim]
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [1, rows, 1, head_dim]: heads in dim 2
+        return self._layers(*self._inputs(tokens, positions), attention)
+
+    def _layers(self, hidden: torch.Tensor,  # [1, rows, hidden]
+                cos: torch.Tensor, sin: torch.Tensor,  # each [1, rows, 1, head_dim]
+                attention: Attention) -> torch.Tensor:  # [1, rows, hidden]
+        """The Python layer loop and the final norm."""
         rows = hidden.shape[1]
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         # A long prefill block whose layers multiply it as dense GEMMs: the parts, as HF runs them.

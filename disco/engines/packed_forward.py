@@ -313,9 +313,14 @@ def lean_decoder_for(model: torch.nn.Module) -> lean_decoder.LeanDecoder | None:
     if reason is None:
         lean = lean_decoder.LeanDecoder(model)
         reason = _lean_check(model, lean)
+        if reason is not None and lean.native is not None:
+            logger.warning("%s: the C++ layer loop off (%s)", type(model).__name__, reason)
+            lean = lean_decoder.LeanDecoder(model, native=False)
+            reason = _lean_check(model, lean)
         if reason is not None and lean.fused:
             logger.warning("%s: fused projections off (%s)", type(model).__name__, reason)
-            lean = lean_decoder.LeanDecoder(model, fuse=False)  # the parts keep views of the fused buffers: same values
+            # the parts keep views of the fused buffers: same values
+            lean = lean_decoder.LeanDecoder(model, fuse=False, native=False)
             reason = _lean_check(model, lean)
     if reason is not None:
         logger.info("%s: the HF forward (no lean decoder: %s)", type(model).__name__, reason)

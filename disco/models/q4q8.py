@@ -52,8 +52,9 @@ from torch.utils import cpp_extension
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels") / "q4q8.cpp"
-#: Compiled into the one library: the kernel and its instruction's peak (the roofline's).
-SOURCES = (SOURCE, SOURCE.with_name("int8_peak.cpp"))
+#: Compiled into the one library: the kernel, its instruction's peak (the roofline's) and the lean
+#: decoder's layer loop over it (:mod:`disco.engines.native_loop`).
+SOURCES = (SOURCE, SOURCE.with_name("int8_peak.cpp"), SOURCE.with_name("decode_loop.cpp"))
 TORCH_KERNEL = "int4pack"
 _COMMON_CFLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-w")
 #: The kernel must measure at most this fraction of torch's time to be chosen (a near-tie

@@ -434,6 +434,9 @@ inline void block_rows(const uint8_t* weights, const QuantizedRows& xq, int64_t 
 }
 #endif
 
+}  // namespace
+
+// Outside the anonymous namespace: decode_loop.cpp calls it directly.
 at::Tensor q4q8_mm(const at::Tensor& x, const at::Tensor& weights, int64_t out_features) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "q4q8_mm: x must be a contiguous bf16 [rows, in_features] tensor");
@@ -486,6 +489,8 @@ at::Tensor q4q8_mm(const at::Tensor& x, const at::Tensor& weights, int64_t out_f
   });
   return out;
 }
+
+namespace {
 
 // q uint8 [out, in] in [0, 15]; scales, zeros bf16 [out, in / 32] -> the packed layout above.
 at::Tensor pack_q4q8(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& zeros) {
