@@ -88,8 +88,8 @@ def test_a_cpp_loop_whose_bits_differ_is_switched_off(ops, monkeypatch, caplog):
     model = q4q8_model(14)
     real = lean_decoder.native_loop
 
-    def off_by_epsilon(lean):
-        loop, reason = real(lean)
+    def off_by_epsilon(*args):
+        loop, reason = real(*args)
         return (None if loop is None else
                 native_loop.NativeLoop(**{**loop.__dict__, "eps": loop.eps * 1e4}), reason)
 

@@ -252,7 +252,7 @@ class LeanDecoder:
         self.native: NativeLoop | None = None
         self.native_off = "off"  # why there is none
         if native:
-            self.native, self.native_off = native_loop(self)
+            self.native, self.native_off = native_loop(self.blocks, self.heads, self.kv_heads, self.head_dim)
 
     def is_current(self) -> bool:
         """Whether the model still has the modules (and fused weights, row plans) this decoder

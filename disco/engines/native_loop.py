@@ -26,15 +26,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Sequence
 
 import torch
 
 from disco.engines.static_kv import PreallocatedCache, PreallocatedLayer
 from disco.models import q4q8
-
-if TYPE_CHECKING:
-    from disco.engines.lean_decoder import LeanDecoder
 
 #: RMSNorm modules whose arithmetic the C++ loop repeats (the lean decoder's ``_rms_norm``).
 _NORM_CLASSES = ("Qwen2RMSNorm", "LlamaRMSNorm")
@@ -111,8 +108,9 @@ class NativeLoop:
         return out
 
 
-def native_loop(lean: "LeanDecoder") -> tuple[NativeLoop | None, str]:
-    """The C++ loop for ``lean``'s blocks, or ``None`` and why it cannot run them."""
+def native_loop(blocks: Sequence, heads: int, kv_heads: int, head_dim: int) -> tuple[NativeLoop | None, str]:
+    """The C++ loop for a lean decoder's ``blocks`` (:class:`disco.engines.lean_decoder.Block`) of
+    that shape, or ``None`` and why it cannot run them."""
     if not q4q8.ops_loaded() or not hasattr(torch.ops.disco_q4q8, "decode_layers"):
         return None, "the q4 x q8 kernel's library is not loaded"
     if os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA", "0") == "1":
@@ -121,7 +119,7 @@ def native_loop(lean: "LeanDecoder") -> tuple[NativeLoop | None, str]:
     out_features: list[int] = []
     epsilons, scalings, row_ranges = set(), set(), []
     empty = torch.empty(0)
-    for block in lean.blocks:
+    for block in blocks:
         projections = (block.wqkv, block.wo, block.w13, block.w2)
         if any(projection.direct is None for projection in projections):
             return None, "a projection not on the q4 x q8 kernel"
@@ -130,7 +128,7 @@ def native_loop(lean: "LeanDecoder") -> tuple[NativeLoop | None, str]:
                 return None, f"a {type(norm).__name__} norm"
             epsilons.add(float(norm.variance_epsilon))
         scalings.add(float(block.attention.scaling))
-        if getattr(block.attention, "num_key_value_groups", 1) != lean.heads // lean.kv_heads:
+        if getattr(block.attention, "num_key_value_groups", 1) != heads // kv_heads:
             return None, "an attention whose key groups differ from the config's"
         for projection in projections:
             direct = projection.direct
@@ -146,8 +144,8 @@ def native_loop(lean: "LeanDecoder") -> tuple[NativeLoop | None, str]:
     if any(weight.dtype != torch.bfloat16 for weight in weights[0::10] + weights[5::10]):
         return None, "norm weights not in bfloat16"
     loop = NativeLoop(tuple(weights), tuple(out_features), max(low for low, _ in row_ranges),
-                      min(high for _, high in row_ranges), lean.heads, lean.kv_heads, lean.head_dim,
-                      epsilons.pop(), scalings.pop(), lean.heads != lean.kv_heads)
+                      min(high for _, high in row_ranges), heads, kv_heads, head_dim,
+                      epsilons.pop(), scalings.pop(), heads != kv_heads)
     if loop.min_rows > loop.max_rows:
         return None, "row plans without a common call size"
     return loop, ""
