@@ -18,9 +18,10 @@ import torch
 
 from disco.config import SamplingParams, SpeculationConfig
 from disco.engines.kv import CachedSequence
-from disco.engines.packed_forward import supports_packing
+from disco.engines.packed_forward import lean_decoder_for, supports_packing
 from disco.engines.batching import ForwardBatcher
 from disco.engines.packing_proof import PackingVerdict, prove_packing, verdict_for
+from disco.models import q4q8
 from tests.helpers import generate_at_once, local_generator
 
 SESSIONS = 16
@@ -33,6 +34,8 @@ def test_sixteen_sessions_of_one_prompt_get_their_solo_logits_bit_for_bit(defaul
     1-5 tokens (verifications), all in packed forwards, against the same sessions alone."""
     model = default_engine["target"].model
     assert supports_packing(model)
+    if default_engine["target"].kernel in q4q8.KERNELS:  # these rounds run the layer loop in C++ (native_loop)
+        assert lean_decoder_for(model).native is not None
     prompt = tokenizer(PROMPT)["input_ids"]
     rng = random.Random(0)
     batched = [CachedSequence(model, prompt) for _ in range(SESSIONS)]
