@@ -16,6 +16,7 @@ from typing import Iterator, Sequence
 import grpc
 
 from disco.engines.draft import DraftEngine
+from disco.engines.packed_forward import describe_forward
 from disco.engines.packing_proof import exactness_for
 from disco.engines.sessions import SessionLimits
 from disco.engines.static_proof import serving_exactness
@@ -48,6 +49,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         # Proven when the engine's batcher started (kept on the model): stated in Info and /metrics.
         self.exactness = serving_exactness(exactness_for(loaded.model), engine.static)
         self.metrics.describe_exactness(self.exactness.proven, self.exactness.statement)
+        self.forward = describe_forward(loaded.model)  # what runs its forwards: Info and /metrics
+        if engine.static is not None:  # slotted sessions step through the static path's own loop
+            self.forward += "; slotted sessions: the static step (its Python layer loop; Info.batching)"
+        self.metrics.describe_forward(self.forward)
         self.metrics.track_overlap()
         # Draft streams draft on these threads, ahead of the gRPC thread sending each token.
         self.drafting_threads = ThreadPoolExecutor(max_workers=limits.max_sessions + 1,
@@ -100,4 +105,4 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                        live_forward_s=self.engine.batcher.live_costs.seconds_by_rows(),
                                        exactness=self.exactness.statement, security=self.security,
                                        prefill_s_per_token=self.prefill_s_per_token,
-                                       prefill_window=self.engine.prefill_window)
+                                       prefill_window=self.engine.prefill_window, forward=self.forward)

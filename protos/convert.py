@@ -264,7 +264,7 @@ def service_info_pb(role: str, loaded: LoadedModel, max_context: int, active_ses
                     overlap: bool = False, batching: str = "",
                     live_forward_s: Sequence[float] = (), exactness: str = "",
                     security: str = "", prefill_s_per_token: float = 0.0,
-                    prefill_window: int = 0) -> common_pb2.ServiceInfo:
+                    prefill_window: int = 0, forward: str = "") -> common_pb2.ServiceInfo:
     """What a backend serves (its ``Info`` answer); ``forward_s``: its measured forward costs;
     ``live_forward_s``: the forward seconds it observed while serving, by rows
     (:class:`disco.engines.live_costs.LiveCosts`);
@@ -274,7 +274,8 @@ def service_info_pb(role: str, loaded: LoadedModel, max_context: int, active_ses
     (:class:`disco.engines.packing_proof.Exactness`); ``security``: how it authenticates its
     callers (:meth:`protos.runtime.backend_security.BackendSecurity.statement`);
     ``prefill_s_per_token``: its measured prefill per prompt token (0: not measured);
-    ``prefill_window``: the draft's prefill window (0: the whole prompt)."""
+    ``prefill_window``: the draft's prefill window (0: the whole prompt); ``forward``: what runs its
+    forwards (:func:`disco.engines.packed_forward.describe_forward`)."""
     parameter = next(loaded.model.parameters())
     return common_pb2.ServiceInfo(
         role=role, model_name=loaded.name, fingerprint=loaded.fingerprint, tokenizer_hash=loaded.tokenizer_hash,
@@ -284,4 +285,4 @@ def service_info_pb(role: str, loaded: LoadedModel, max_context: int, active_ses
         version=disco.__version__, elapsed_ns=elapsed_ns(started_ns), forward_s=list(forward_s),
         overlap=overlap, batching=batching, live_forward_s=list(live_forward_s), exactness=exactness,
         kernel=loaded.kernel, security=security, prefill_s_per_token=prefill_s_per_token,
-        prefill_window=prefill_window, prefill=loaded.prefill)
+        prefill_window=prefill_window, prefill=loaded.prefill, forward=forward)

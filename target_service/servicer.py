@@ -14,6 +14,7 @@ from typing import Sequence
 
 import grpc
 
+from disco.engines.packed_forward import describe_forward
 from disco.engines.packing_proof import exactness_for
 from disco.engines.sessions import SessionLimits
 from disco.engines.static_proof import serving_exactness
@@ -45,6 +46,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         # Proven when the engine's batcher started (kept on the model): stated in Info and /metrics.
         self.exactness = serving_exactness(exactness_for(loaded.model), engine.static)
         self.metrics.describe_exactness(self.exactness.proven, self.exactness.statement)
+        self.forward = describe_forward(loaded.model)  # what runs its forwards: Info and /metrics
+        if engine.static is not None:  # slotted sessions step through the static path's own loop
+            self.forward += "; slotted sessions: the static step (its Python layer loop; Info.batching)"
+        self.metrics.describe_forward(self.forward)
         self.device = next(loaded.model.parameters()).device
 
     def StartSession(self, request: target_pb2.StartTargetSessionRequest,
@@ -80,4 +85,4 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                        self.forward_s, batching=self.engine.batcher.describe(),
                                        live_forward_s=self.engine.batcher.live_costs.seconds_by_rows(),
                                        exactness=self.exactness.statement, security=self.security,
-                                       prefill_s_per_token=self.prefill_s_per_token)
+                                       prefill_s_per_token=self.prefill_s_per_token, forward=self.forward)

@@ -18,7 +18,7 @@ import torch
 
 from disco.config import SamplingParams, SpeculationConfig
 from disco.engines.kv import CachedSequence
-from disco.engines.packed_forward import lean_decoder_for, supports_packing
+from disco.engines.packed_forward import describe_forward, lean_decoder_for, supports_packing
 from disco.engines.batching import ForwardBatcher
 from disco.engines.packing_proof import PackingVerdict, prove_packing, verdict_for
 from disco.models import q4q8
@@ -135,7 +135,8 @@ def test_a_packed_forward_that_changes_bits_turns_batching_off(target_model, tok
 
 def test_the_services_name_how_their_forwards_batch_in_info_and_metrics(default_engine, target_model, tokenizer):
     """``Info.batching`` and ``disco_forward_batching_packed`` / ``_info``: packed where the
-    proof held (the default engine here), one by one where it did not."""
+    proof held (the default engine here), one by one where it did not; ``Info.forward`` and
+    ``disco_forward_info``: what runs the forwards."""
     import copy  # noqa: PLC0415
     import urllib.request  # noqa: PLC0415
 
@@ -160,5 +161,10 @@ def test_the_services_name_how_their_forwards_batch_in_info_and_metrics(default_
                 text = page.read().decode()
             assert sample_value(text, "disco_forward_batching_packed") == float(packed)
             assert sample_value(text, "disco_forward_batching_info", {"detail": info.batching}) == 1
+            # What runs its forwards (Info.forward, disco_forward_info): the start-up log's line.
+            assert info.forward == describe_forward(loaded.model) and info.forward.startswith(("lean decoder", "the HF"))
+            assert sample_value(text, "disco_forward_info", {"forward": info.forward}) == 1
+            if loaded.kernel in q4q8.KERNELS:
+                assert "layer loop in C++" in info.forward
         finally:
             running.stop(0)

@@ -45,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"          security: {model['security']}")
         if model and model.get("prefill"):  # the weight-only engines' prefill path
             print(f"          prefill: {model['prefill']}")
+        if model and model.get("forward"):  # what runs its forwards (lean decoder, its loop in C++ or Python)
+            print(f"          forward: {model['forward']}")
     limits = info["limits"]
     print(f"  requests: {active['orchestrator']}/{limits['max_sessions']} active, max_new_tokens <= "
           f"{limits['max_new_tokens']}, max_lookahead <= {limits['max_lookahead']}")

@@ -90,6 +90,13 @@ class ServerMetrics:
         Info("disco_exactness", "Whether greedy speculative output is proven equal to target-only here, and how",
              registry=self.registry).info({"statement": statement})
 
+    def describe_forward(self, forward: str) -> None:
+        """Name what runs this backend's forwards (``disco_forward_info{forward}``, ``Info.forward``:
+        :func:`disco.engines.packed_forward.describe_forward`)."""
+        Info("disco_forward", "What runs the model's forwards: the lean decoder (its layer loop in C++ or "
+             "Python) or the HF decoder forward; every path gives the HF forward's bits where it runs",
+             registry=self.registry).info({"forward": forward})
+
     def describe_security(self, statement: str) -> None:
         """State how this backend authenticates its callers (``disco_insecure``: 1 when it
         serves beyond loopback without client authentication, ``--insecure``;

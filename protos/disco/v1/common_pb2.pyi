@@ -140,7 +140,7 @@ class ServiceInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServiceInfo(_message.Message):
-    __slots__ = ("role", "model_name", "fingerprint", "tokenizer_hash", "vocab_size", "max_context", "eos_token_ids", "dtype", "device", "active_sessions", "max_sessions", "idle_ttl_s", "version", "elapsed_ns", "forward_s", "overlap", "batching", "live_forward_s", "exactness", "kernel", "security", "prefill_s_per_token", "prefill_window", "prefill")
+    __slots__ = ("role", "model_name", "fingerprint", "tokenizer_hash", "vocab_size", "max_context", "eos_token_ids", "dtype", "device", "active_sessions", "max_sessions", "idle_ttl_s", "version", "elapsed_ns", "forward_s", "overlap", "batching", "live_forward_s", "exactness", "kernel", "security", "prefill_s_per_token", "prefill_window", "prefill", "forward")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +165,7 @@ class ServiceInfo(_message.Message):
     PREFILL_S_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WINDOW_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_FIELD_NUMBER: _ClassVar[int]
     role: str
     model_name: str
     fingerprint: str
@@ -189,4 +190,5 @@ class ServiceInfo(_message.Message):
     prefill_s_per_token: float
     prefill_window: int
     prefill: str
-    def __init__(self, role: _Optional[str] = ..., model_name: _Optional[str] = ..., fingerprint: _Optional[str] = ..., tokenizer_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., idle_ttl_s: _Optional[float] = ..., version: _Optional[str] = ..., elapsed_ns: _Optional[int] = ..., forward_s: _Optional[_Iterable[float]] = ..., overlap: _Optional[bool] = ..., batching: _Optional[str] = ..., live_forward_s: _Optional[_Iterable[float]] = ..., exactness: _Optional[str] = ..., kernel: _Optional[str] = ..., security: _Optional[str] = ..., prefill_s_per_token: _Optional[float] = ..., prefill_window: _Optional[int] = ..., prefill: _Optional[str] = ...) -> None: ...
+    forward: str
+    def __init__(self, role: _Optional[str] = ..., model_name: _Optional[str] = ..., fingerprint: _Optional[str] = ..., tokenizer_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., idle_ttl_s: _Optional[float] = ..., version: _Optional[str] = ..., elapsed_ns: _Optional[int] = ..., forward_s: _Optional[_Iterable[float]] = ..., overlap: _Optional[bool] = ..., batching: _Optional[str] = ..., live_forward_s: _Optional[_Iterable[float]] = ..., exactness: _Optional[str] = ..., kernel: _Optional[str] = ..., security: _Optional[str] = ..., prefill_s_per_token: _Optional[float] = ..., prefill_window: _Optional[int] = ..., prefill: _Optional[str] = ..., forward: _Optional[str] = ...) -> None: ...
