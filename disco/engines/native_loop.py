@@ -78,18 +78,18 @@ class NativeLoop:
             if not (span.one_query_at_a_time and span.end > span.start and isinstance(cache, PreallocatedCache)):
                 return None
             layers = cache.layers
-            first = layers[0]
-            if not (isinstance(first, PreallocatedLayer) and first.is_initialized
-                    and first._key_buffer.dtype == hidden.dtype):
+            if not (isinstance(layers[0], PreallocatedLayer) and layers[0].is_initialized):
                 return None
-            sessions.append((span, layers, first._length))
+            sessions.append((span, layers, layers[0]._length))
         layer_count = len(self.out_features) // 4
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         spans: list[int] = []
         for span, layers, length in sessions:
             end = length + span.end - span.start
-            if len(layers) != layer_count or any(layer._length != length for layer in layers):
+            if len(layers) != layer_count or any(
+                    layer._length != length or layer._key_buffer is None or layer._key_buffer.dtype != hidden.dtype
+                    for layer in layers):  # every layer holds the prompt, in the model's dtype
                 return None
             for layer in layers:
                 if end > layer.capacity:
