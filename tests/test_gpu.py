@@ -203,7 +203,7 @@ def test_the_lean_decoder_runs_on_cuda_with_the_hf_forward_s_bits(target_model, 
     fall back to the HF forward), and packed forwards — a prefill, decoding, a 4-token block,
     two sessions at once — give the HF forward's logits bit for bit (the one-call attention plan)."""
     from disco.engines.packed_forward import SessionRows, lean_decoder_for, packed_forward, supports_packing
-    from disco.engines.static_kv import PreallocatedCache
+    from disco.engines.kv_pool import PoolCache
 
     model = on_cuda(target_model, dtype)
     if dtype != torch.float32:
@@ -215,7 +215,7 @@ def test_the_lean_decoder_runs_on_cuda_with_the_hf_forward_s_bits(target_model, 
     prompts = [[5, 17, 99, 3, 250, 8, 41], [300, 2, 2, 77, 9, 9]]
 
     def run(forward) -> list[torch.Tensor]:
-        caches = [PreallocatedCache.for_model(model, 32) for _ in prompts]
+        caches = [PoolCache.for_model(model, 32) for _ in prompts]
         packed_forward(model, [SessionRows(c, 0, p[:-1], 0) for c, p in zip(caches, prompts)], lean=forward)
         lengths = [len(p) - 1 for p in prompts]
         out = []
@@ -234,7 +234,7 @@ def test_static_step_graphs_replay_the_eager_step_s_bits_on_cuda(target_model):
     logits bit for bit, and both give the packed forward's under the CUDA one-call plan."""
     from disco.engines.step_runner import capture_buckets
     from disco.engines.packed_forward import SessionRows, lean_decoder_for, packed_forward, supports_packing
-    from disco.engines.static_kv import PreallocatedCache
+    from disco.engines.kv_pool import PoolCache
     from disco.engines.static_step import Bucket, SlotRows, StaticCaches, StaticStep
     from disco.engines.varlen_attention import ONE_CALL_CUDA
 
@@ -249,7 +249,7 @@ def test_static_step_graphs_replay_the_eager_step_s_bits_on_cuda(target_model):
     graphed, report = capture_buckets([StaticStep(lean, graph_caches, bucket, ONE_CALL_CUDA) for bucket in buckets])
     assert report.graphs == 3 and set(graphed) == set(buckets)
     prompts = [[5, 17, 99, 3, 250, 8, 41], [300, 2, 2, 77, 9, 9, 9, 9, 1]]
-    packed_caches = [PreallocatedCache.for_model(model, 128) for _ in prompts]
+    packed_caches = [PoolCache.for_model(model, 128) for _ in prompts]
     packed_forward(model, [SessionRows(c, 0, p, 0) for c, p in zip(packed_caches, prompts)], ONE_CALL_CUDA)
     for slot, (cache, prompt) in enumerate(zip(packed_caches, prompts)):
         eager_caches.load(slot, cache, len(prompt))

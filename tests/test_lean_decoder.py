@@ -15,7 +15,7 @@ import torch
 
 from disco.engines import lean_decoder
 from disco.engines.packed_forward import SessionRows, lean_decoder_for, packed_forward, supports_packing
-from disco.engines.static_kv import PreallocatedCache
+from disco.engines.kv_pool import PoolCache
 from disco.models import q4q8
 from disco.models.int4 import Int4Linear
 from disco.models.quantize import quantize_model
@@ -34,7 +34,7 @@ def run(model: torch.nn.Module, lean, prompts: list[list[int]], blocks: list[int
     """Prefill every prompt together (one packed forward), then ``steps`` packed forwards in
     which session i feeds a block of ``blocks[i]`` tokens (kept: the caches grow). Returns
     every logits tensor, in order."""
-    caches = [PreallocatedCache.for_model(model, len(p) + steps * max(blocks) + 1) for p in prompts]
+    caches = [PoolCache.for_model(model, len(p) + steps * max(blocks) + 1) for p in prompts]
     lengths = [len(p) - 1 for p in prompts]
     outputs = [logits for logits, _ in packed_forward(
         model, [SessionRows(cache, 0, p[:-1], 0) for cache, p in zip(caches, prompts)], lean=lean)]

@@ -12,7 +12,7 @@ import torch
 
 from disco.engines import lean_decoder, native_loop
 from disco.engines.packed_forward import SessionRows, lean_decoder_for, packed_forward
-from disco.engines.static_kv import PreallocatedCache
+from disco.engines.kv_pool import PoolCache
 from disco.engines.varlen_attention import ONE_CALL_CPU
 from tests.test_lean_decoder import PROMPTS, assert_same, ops, q4q8_model, run  # noqa: F401 (ops: a fixture)
 
@@ -59,7 +59,7 @@ def test_the_caches_hold_the_same_keys_and_values_and_grow_where_needed(ops, cov
     prompt = [(5 * i) % 400 + 1 for i in range(62)]
     caches = []
     for decoder in (lean, python_loop(lean)):
-        cache = PreallocatedCache.for_model(model, len(prompt))  # 64 positions: the block below grows it
+        cache = PoolCache.for_model(model, len(prompt))  # 64 positions: the block below grows it
         packed_forward(model, [SessionRows(cache, 0, prompt, 0)], lean=decoder)
         packed_forward(model, [SessionRows(cache, 62, [7, 8, 9, 10], 4)], lean=decoder)
         caches.append(cache)
@@ -74,13 +74,13 @@ def test_forwards_it_does_not_cover_take_the_python_loop(ops, covered):
     model = q4q8_model(13)
     lean = lean_decoder_for(model)
     covered.clear()  # the start-up check's forwards
-    cache = PreallocatedCache.for_model(model, 32)
+    cache = PoolCache.for_model(model, 32)
     packed_forward(model, [SessionRows(cache, 0, PROMPTS[0], 0)], lean=lean)
-    other = PreallocatedCache.for_model(model, 32)
+    other = PoolCache.for_model(model, 32)
     # A prefill packed with a decoding row; the one-call attention plan; a session without a cache yet.
     packed_forward(model, [SessionRows(cache, 7, [3], 1), SessionRows(other, 0, [4, 5], 0)], lean=lean)
     packed_forward(model, [SessionRows(cache, 8, [6, 7], 2)], plan=ONE_CALL_CPU, lean=lean)
-    packed_forward(model, [SessionRows(PreallocatedCache.for_model(model, 8), 0, [9], 1)], lean=lean)
+    packed_forward(model, [SessionRows(PoolCache.for_model(model, 8), 0, [9], 1)], lean=lean)
     assert covered == [False, False, False, False]  # the first prefill too
 
 

@@ -12,6 +12,7 @@ import contextlib
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from disco.config import SamplingParams
 from disco.engines.batching import ForwardBatcher, _Request, is_out_of_memory, roll_back
@@ -118,12 +119,17 @@ def test_is_out_of_memory(error, expected):
     assert is_out_of_memory(error) is expected
 
 
-def test_roll_back_cuts_each_layer_to_the_mark(target_model):
+@pytest.mark.parametrize("cache", ["pool", "dynamic"])
+def test_roll_back_cuts_each_layer_to_the_mark(target_model, cache):
     sequence = CachedSequence(target_model, PROMPTS[0])
+    if cache == "dynamic":
+        sequence.cache = DynamicCache(config=target_model.config)
     sequence.prefill()
     mark = sequence.cache_len
     sequence.tokens.extend([1, 2])
     sequence.step(3)
-    sequence.cache.layers[1].crop(-2)  # as if the forward had stopped before the last layer's update
+    if cache == "dynamic":
+        sequence.cache.layers[1].crop(-2)  # as if the forward had stopped before the last layer's update
+    # a pool cache moves its one length after the last layer: a forward that failed later (the head) rolls back
     roll_back(sequence, mark)
     assert sequence.cache_len == mark and _layer_lengths(sequence) == {mark}

@@ -1,5 +1,5 @@
 """The one-call packed attention (disco.engines.varlen_attention) and the preallocated KV
-cache (disco.engines.static_kv).
+cache (disco.engines.kv_pool).
 
 The one call is exact *within itself*: a query gets the same bits alone (decoding) as inside a
 packed batch or a verification block, whatever its neighbours' lengths, in float32 and bf16.
@@ -18,7 +18,7 @@ from transformers import DynamicCache
 
 from disco.engines.kv import CachedSequence
 from disco.engines.packed_forward import SessionRows, packed_forward
-from disco.engines.static_kv import CAPACITY_STEP, PreallocatedCache
+from disco.engines.kv_pool import PAGE, PoolCache
 from disco.models.row_stable import stabilize
 from disco.engines.varlen_attention import (ONE_CALL_CPU, REFERENCE_CPU, AttentionPlan, attention_plan,
                                             one_call_attention, query_layout)
@@ -97,9 +97,7 @@ def _rows(sequence: CachedSequence, count: int) -> SessionRows:
 
 def _forward(model, sequences, counts, plan):
     rows = [_rows(s, c) for s, c in zip(sequences, counts)]
-    results = packed_forward(model, rows, plan)
-    for sequence, r in zip(sequences, rows):
-        sequence.cache_len += len(r.tokens)
+    results = packed_forward(model, rows, plan)  # each cache's length moves: the sequences' cache_len
     return [logits for logits, _ in results]
 
 
@@ -178,20 +176,26 @@ def test_repeated_kv_heads_give_the_same_bits_as_kernel_gqa(dtype):
     assert torch.equal(both[0, 2], alone[0, 0])
 
 
-def test_preallocated_cache_writes_in_place_grows_and_rolls_back_by_length(target_model):
-    cache = PreallocatedCache.for_model(target_model, capacity=10)
+def _write(cache: PoolCache, states: torch.Tensor) -> None:
+    """One forward's writes: every layer in order (the last one moves the length)."""
+    for layer in range(len(cache.layers)):
+        cache.update(states, states, layer)
+
+
+def test_pool_cache_writes_in_place_grows_and_rolls_back_by_length(target_model):
+    cache = PoolCache.for_model(target_model, capacity=10)
     first = torch.randn(1, 2, 50, 16)
-    cache.update(first, first, 0)
+    _write(cache, first)
     layer = cache.layers[0]
-    buffer = layer._key_buffer
-    assert layer.capacity == CAPACITY_STEP and cache.get_seq_length(0) == 50
-    cache.update(first[:, :, :10], first[:, :, :10], 0)  # 60 of 64: no move
-    assert layer._key_buffer is buffer
+    buffer = cache.run.keys[0].data_ptr()
+    assert cache.capacity == PAGE and cache.get_seq_length(0) == 50 and layer.get_seq_length() == 50
+    _write(cache, first[:, :, :10])  # 60 of 64: no move
+    assert cache.run.keys[0].data_ptr() == buffer
     cache.crop(-20)  # rollback = a length
-    assert cache.get_seq_length(0) == 40 and layer._key_buffer is buffer
+    assert cache.get_seq_length(0) == 40 and cache.run.keys[0].data_ptr() == buffer
     assert torch.equal(layer.keys, first[:, :, :40])
-    cache.update(first, first, 0)  # 90 > 64: doubled to 128, prefix kept
-    assert layer.capacity == 128 and torch.equal(layer.keys[:, :, 40:], first)
+    _write(cache, first)  # 90 > 64: doubled to 128, prefix kept
+    assert cache.capacity == 128 and torch.equal(layer.keys[:, :, 40:], first)
     assert torch.equal(layer.keys[:, :, :40], first[:, :, :40])
     with pytest.raises(ValueError):
         cache.crop(3)
@@ -217,7 +221,7 @@ def test_static_cache_rollback_equals_a_fresh_prefill(target_model, dtype):
         after = sequence.forward(2)[0]
         keys = [layer.keys.clone() for layer in sequence.cache.layers]
         results[kind] = (block, after, keys, sequence)
-    assert isinstance(results["static"][3].cache, PreallocatedCache)
+    assert isinstance(results["static"][3].cache, PoolCache)
     for a, b in zip(results["static"][:2], results["dynamic"][:2]):
         assert torch.equal(a, b)
     assert all(torch.equal(a, b) for a, b in zip(results["static"][2], results["dynamic"][2]))

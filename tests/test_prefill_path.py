@@ -10,7 +10,7 @@ import torch
 
 from disco.engines import lean_decoder
 from disco.engines.packed_forward import SessionRows, lean_decoder_for, packed_forward
-from disco.engines.static_kv import PreallocatedCache
+from disco.engines.kv_pool import PoolCache
 from disco.models import int4, weight_only
 from disco.models.weight_only import DENSE_MIN_ROWS, WeightOnlyLinear, choose_prefill_path
 from tests import tiny
@@ -56,13 +56,13 @@ def _never_dense(monkeypatch) -> None:
     monkeypatch.setattr(int4.Int4Linear, "_dense", refused)
 
 
-def _prefill_caches(model: torch.nn.Module, prompts: list[list[int]]) -> list[PreallocatedCache]:
-    caches = [PreallocatedCache.for_model(model, len(prompt) + 1) for prompt in prompts]
+def _prefill_caches(model: torch.nn.Module, prompts: list[list[int]]) -> list[PoolCache]:
+    caches = [PoolCache.for_model(model, len(prompt) + 1) for prompt in prompts]
     packed_forward(model, [SessionRows(cache, 0, prompt, 0) for cache, prompt in zip(caches, prompts)])
     return caches
 
 
-def _same_cache(a: PreallocatedCache, b: PreallocatedCache, length: int) -> bool:
+def _same_cache(a: PoolCache, b: PoolCache, length: int) -> bool:
     return all(torch.equal(x.keys[0, :, :length], y.keys[0, :, :length])
                and torch.equal(x.values[0, :, :length], y.values[0, :, :length]) for x, y in zip(a.layers, b.layers))
 

@@ -28,8 +28,8 @@ from disco.engines.kv import CachedSequence
 from disco.engines.packed_forward import SessionRows, lean_decoder_for, packed_forward
 from disco.engines.packing_proof import PackingVerdict
 from disco.engines.sessions import SessionLimits
-from disco.engines.static_kv import PreallocatedCache
-from disco.engines.static_runner import SlotCache, static_runner_for
+from disco.engines.kv_pool import PoolCache
+from disco.engines.static_runner import static_runner_for
 from disco.engines.static_step import Bucket, SlotRows, StaticCaches, StaticStep
 from disco.engines.target import TargetEngine
 from disco.engines.varlen_attention import ONE_CALL_CPU
@@ -54,9 +54,9 @@ def bf16_model() -> torch.nn.Module:
 
 
 def prefilled(model: torch.nn.Module, prompts: list[list[int]], slots: list[int],
-              capacity: int = 128) -> tuple[list[PreallocatedCache], StaticCaches]:
+              capacity: int = 128) -> tuple[list[PoolCache], StaticCaches]:
     """The prompts prefilled on the packed path (one-call plan) and loaded into ``slots``."""
-    caches = [PreallocatedCache.for_model(model, capacity) for _ in prompts]
+    caches = [PoolCache.for_model(model, capacity) for _ in prompts]
     packed_forward(model, [SessionRows(c, 0, p, 0) for c, p in zip(caches, prompts)], ONE_CALL_CPU)
     static = StaticCaches(model, max(slots) + 1, capacity)
     for slot, cache, prompt in zip(slots, caches, prompts):
@@ -107,9 +107,9 @@ def test_a_refused_packing_verdict_keeps_batches_off_the_static_step(monkeypatch
     engine.verify("a", [6])
     sequence = engine.sessions.get("a").sequence
     if packed:  # the control: this engine's steps take the static path where the verdict allows it
-        assert isinstance(sequence.cache, SlotCache) and engine.static.steps
+        assert sequence.cache.slot is not None and engine.static.steps
     else:
-        assert not isinstance(sequence.cache, SlotCache) and not engine.static.steps
+        assert sequence.cache.slot is None and not engine.static.steps
         assert not engine.static.can_run([sequence], [1], [False])
         assert "off: batching is not proven exact" in engine.static.describe()
 
@@ -221,7 +221,7 @@ def test_sessions_in_slots_0_and_15_run_in_the_two_session_bucket_with_the_packe
 def test_a_step_gathers_its_rows_slots_and_pads_in_slots_outside_the_batch(bf16_model):
     model = bf16_model
     caches_packed, caches = prefilled(model, PROMPTS, slots=[5, 0, 2])
-    caches.lengths[1] = 120  # the shortest slots outside the batch take the padding: not slot 1
+    caches.runs[1].length = 120  # the shortest slots outside the batch take the padding: not slot 1
     step = StaticStep(lean_decoder_for(model), caches, Bucket(4, 2), ONE_CALL_CPU)
     blocks = [[1, 2], [3], [4, 5]]
     got = step.forward([SlotRows(5, blocks[0]), SlotRows(0, blocks[1]), SlotRows(2, blocks[2])])
@@ -334,7 +334,7 @@ def test_cuda_graphs_share_one_pool_and_output_and_report_the_reserved_memory():
     assert len(pointers) == 1
     pools = {graph.pool for graph in graphed.values()}
     assert len(pools) == 1
-    caches_packed = [PreallocatedCache.for_model(model, 128) for _ in PROMPTS[:2]]
+    caches_packed = [PoolCache.for_model(model, 128) for _ in PROMPTS[:2]]
     packed_forward(model, [SessionRows(c, 0, p, 0) for c, p in zip(caches_packed, PROMPTS[:2])], ONE_CALL_CUDA)
     for slot, (cache, prompt) in enumerate(zip(caches_packed, PROMPTS[:2])):
         caches.load(slot, cache, len(prompt))

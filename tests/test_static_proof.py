@@ -13,7 +13,7 @@ from disco.engines.kv import CachedSequence
 from disco.engines.packing_proof import Exactness, exactness_for
 from disco.engines.sessions import SessionLimits
 from disco.engines.static_proof import prove_static, serving_exactness
-from disco.engines.static_runner import SlotCache, static_runner_for
+from disco.engines.static_runner import static_runner_for
 from disco.engines.target import TargetEngine
 from disco.models import row_stable
 from tests import tiny
@@ -34,7 +34,7 @@ def test_the_proof_runs_through_the_runner_and_leaves_every_slot_free(bf16_model
     assert "checked bit for bit at start" in runner.describe() and "3 sessions in a bucket" in runner.describe()
     assert {bucket.sessions for bucket in runner.steps} >= {1, 4}  # one session and a bucket with padding
     assert sorted(runner._free) == [0, 1, 2, 3] and not runner._owners
-    assert runner.caches.lengths == [0, 0, 0, 0]
+    assert list(runner.caches.lengths) == [0, 0, 0, 0]
 
 
 def test_a_static_step_that_changes_a_batched_session_s_bits_turns_the_path_off(bf16_model, monkeypatch):
@@ -51,7 +51,7 @@ def test_a_static_step_that_changes_a_batched_session_s_bits_turns_the_path_off(
     assert runner.refused.startswith("its start-up proof failed: ") and "in one bucket" in runner.refused
     assert "static path (eager): off: its start-up proof failed" in batcher.describe()
     sequence = CachedSequence(bf16_model, [5, 6, 7], capacity=64)
-    assert not runner.acquire(sequence, 8) and not isinstance(sequence.cache, SlotCache)  # the packed path serves
+    assert not runner.acquire(sequence, 8) and sequence.cache.slot is None  # the packed path serves
     exactness = Exactness(True, "bit-exact on cpu")
     assert serving_exactness(exactness, runner) == exactness  # the path that serves is the packed one
 

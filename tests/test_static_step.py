@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from disco.engines.packed_forward import SessionRows, lean_decoder_for, packed_forward, supports_packing
-from disco.engines.static_kv import PreallocatedCache
+from disco.engines.kv_pool import PoolCache
 from disco.engines.static_step import Bucket, SlotRows, StaticCaches, StaticStep, bucket_for
 from disco.engines.varlen_attention import ONE_CALL_CPU, REFERENCE_CPU
 from disco.errors import InvalidRequest
@@ -50,7 +50,7 @@ class Sessions:
 
     def __init__(self, model: torch.nn.Module, prompts: list[list[int]], slots: list[int], capacity: int = 128):
         self.model, self.slots = model, slots
-        self.caches = [PreallocatedCache.for_model(model, capacity) for _ in prompts]
+        self.caches = [PoolCache.for_model(model, capacity) for _ in prompts]
         packed_forward(model, [SessionRows(c, 0, p, 0) for c, p in zip(self.caches, prompts)], ONE_CALL_CPU)
         self.lengths = [len(p) for p in prompts]
         self.static = StaticCaches(model, 8, capacity)
@@ -71,7 +71,7 @@ class Sessions:
         for index, (block, kept) in enumerate(zip(blocks, keep)):
             self.lengths[index] += kept
             self.caches[index].crop(-(len(block) - kept))
-            self.static.lengths[self.slots[index]] = self.lengths[index]
+            self.static.runs[self.slots[index]].length = self.lengths[index]
 
 
 def assert_equal(got: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
@@ -130,7 +130,7 @@ def test_buckets_round_up_and_refuse_what_does_not_fit(model):
     step = StaticStep(lean, sessions.static, Bucket(1, 2), ONE_CALL_CPU)
     with pytest.raises(InvalidRequest, match="does not fit the bucket"):
         step.forward([SlotRows(0, [1, 2, 3])])
-    sessions.static.lengths[0] = 63
+    sessions.static.runs[0].length = 63
     with pytest.raises(InvalidRequest, match="capacity of 64"):
         step.forward([SlotRows(0, [1, 2])])
     # keys and values x 2 layers x 8 slots x 2 KV heads x 64 positions x head_dim 16

@@ -42,6 +42,7 @@ import torch
 
 from disco.engines.device_clock import now
 from disco.engines.kv import CachedSequence
+from disco.engines.kv_pool import PoolCache, is_out_of_memory
 from disco.engines.live_costs import LiveCosts
 from disco.engines.packing_proof import verdict_for
 from disco.engines.static_runner import StaticRunner
@@ -236,16 +237,6 @@ class ForwardBatcher:
             return error
 
 
-def is_out_of_memory(error: BaseException) -> bool:
-    """Whether ``error`` is an allocator's out-of-memory error: ``torch.OutOfMemoryError``
-    (``torch.cuda.OutOfMemoryError`` is one) or the CPU allocator's ``RuntimeError``."""
-    if isinstance(error, torch.OutOfMemoryError):
-        return True
-    message = str(error)
-    return isinstance(error, RuntimeError) and (
-        "out of memory" in message or "DefaultCPUAllocator: can't allocate" in message)
-
-
 def free_cached_memory(device: torch.device) -> None:
     """Hand the CUDA caching allocator's free blocks back (a no-op elsewhere)."""
     if device.type == "cuda":
@@ -253,14 +244,17 @@ def free_cached_memory(device: torch.device) -> None:
 
 
 def roll_back(sequence: CachedSequence, cache_len: int) -> None:
-    """Undo what a failed forward did to ``sequence``'s cache: every layer cut back to
-    ``cache_len``'s positions (a forward that failed at layer i has extended layers < i only, so
-    a uniform crop by ``CachedSequence.cache_len`` would not do) and ``cache_len`` restored.
+    """Undo what a failed forward did to ``sequence``'s cache: back to ``cache_len``'s positions.
+    A pool cache moves its length only when every layer was written (a forward that failed
+    midway left it as it was) and is set back as a whole; a ``DynamicCache`` that failed at
+    layer i has extended layers < i only, so each layer is cut back on its own.
     The tokens are kept: the pending ones are fed again by the next forward.
     """
     positions = sequence.kv_positions(cache_len)
+    if isinstance(sequence.cache, PoolCache):
+        sequence.cache.set_length(min(positions, sequence.cache.get_seq_length()))
+        return
     for layer in getattr(sequence.cache, "layers", ()):
         extra = layer.get_seq_length() - positions if getattr(layer, "is_initialized", True) else 0
         if extra > 0:
             layer.crop(-extra)
-    sequence.cache_len = cache_len

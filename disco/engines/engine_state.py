@@ -1,11 +1,11 @@
 """What the engines settled about one model, kept on the model in one place.
 
 Built once per model and reused by every engine over it: its lean decoder (or that the HF
-forward runs instead), the exactness proof of its verified blocks and the packing verdicts by
-batch size (:mod:`disco.engines.packed_forward`, :mod:`disco.engines.packing_proof`). The state
-lives in the model's ``__dict__`` (one attribute, not a module global: two models never share
-it) and names the model it was settled for: a ``deepcopy`` carries the dict along but is another
-model (perhaps cast or changed after), so it starts from a fresh state. The row plans' line is
+forward runs instead), the exactness proof of its verified blocks, the packing verdicts by
+batch size (:mod:`disco.engines.packed_forward`, :mod:`disco.engines.packing_proof`) and the KV
+pool of its sessions (:mod:`disco.engines.kv_pool`). The state lives in the model's
+``__dict__`` (one attribute, not a module global: two models never share it) and names the model
+it was settled for: a ``deepcopy`` carries the dict along but is another model (perhaps cast or changed after), so it starts from a fresh state. The row plans' line is
 the models room's (:func:`disco.models.row_stable.stabilize` keeps it on the model).
 """
 
@@ -26,12 +26,14 @@ class EngineState:
             built yet (or stale: rebuilt on use).
         exactness: :class:`~disco.engines.packing_proof.Exactness` by (weight dtype, device).
         verdicts: :class:`~disco.engines.packing_proof.PackingVerdict` by (batch size, weight dtype).
+        kv_pool: the model's :class:`~disco.engines.kv_pool.KVPool` (every session's keys and values).
     """
 
     owner: int
     lean: object = None
     exactness: dict = field(default_factory=dict)
     verdicts: dict = field(default_factory=dict)
+    kv_pool: object = None
 
 
 def engine_state(model: torch.nn.Module) -> EngineState:

@@ -3,24 +3,26 @@
 Both engines keep one :class:`CachedSequence` per session. Invariant: the cache holds
 exactly ``tokens[:cache_len]`` (less the :attr:`~CachedSequence.skipped` prompt tokens, which
 are never fed: a draft's bounded prefill window); the rest of ``tokens`` is *pending* and is
-fed to the model by the next :meth:`CachedSequence.forward`. Rolling back to an accepted prefix is
-:meth:`truncate`, which crops the cache (transformers 5.x ``DynamicCache.crop`` takes
-the negative number of positions to remove).
+fed to the model by the next :meth:`CachedSequence.forward`. ``cache_len`` is read off the
+cache's length (one record: the cache's), never kept beside it. Rolling back to an accepted
+prefix is :meth:`truncate`, which crops the cache (transformers 5.x ``Cache.crop`` takes the
+negative number of positions to remove).
 
 Forwards go through :func:`disco.engines.packed_forward.packed_forward` (a batch of one), the
 same code the cross-session batcher runs, so a session computes the same bits alone and
 in a batch, and a verified block the same bits as decoding it token by token.
 
-The cache of a packed model is a :class:`~disco.engines.static_kv.PreallocatedCache`
-(buffers written in place, rolled back by length): measured on the 2-core AVX-512 Xeon,
-28 layers, 2 KV heads x 128, bf16, one verification cycle (write 5 positions, roll back 2)
-took 0.26 ms at 100, 300 and 600 cached positions against 0.47, 0.86 and 1.57 ms for
-``DynamicCache``'s ``torch.cat`` (``docs/analysis/packed_attention.py``); on CUDA fixed
-buffers are what CUDA graphs need. Models without a packed forward keep ``DynamicCache``.
+The cache of a packed model is a :class:`~disco.engines.kv_pool.PoolCache`: a run of the
+model's KV pool, written in place, rolled back by its length. Measured on the 2-core AVX-512
+Xeon, 28 layers, 2 KV heads x 128, bf16, one verification cycle (write 5 positions, roll back 2)
+took 0.26 ms at 100, 300 and 600 cached positions in such fixed buffers against 0.47, 0.86 and
+1.57 ms for ``DynamicCache``'s ``torch.cat`` (``docs/analysis/packed_attention.py``); on CUDA
+fixed buffers are what CUDA graphs need. Models without a packed forward keep ``DynamicCache``.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Sequence
 
 import torch
@@ -28,7 +30,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from disco.engines.packed_forward import SessionRows, packed_forward, supports_packing
-from disco.engines.static_kv import PreallocatedCache
+from disco.engines.kv_pool import PoolCache
 from disco.engines.varlen_attention import AttentionPlan
 
 
@@ -47,17 +49,24 @@ class CachedSequence:
                  plan: AttentionPlan | None = None, skipped: range = range(0)) -> None:
         self.model = model
         self.tokens: list[int] = list(token_ids)
-        assert skipped.step == 1 and skipped.stop < len(self.tokens) or not skipped, (skipped, len(self.tokens))
+        # the prefill passes the skipped tokens and feeds at least one after them (cache_len reads the cache)
+        assert skipped.step == 1 and skipped.stop < len(self.tokens) - 1 or not skipped, (skipped, len(self.tokens))
         self.skipped = skipped
-        self.cache_len = 0  # tokens covered: fed into the cache, or skipped
         self.device = next(model.parameters()).device
         self.packed = supports_packing(model)  # else: plain HF forwards (no batching)
         self.plan = plan
-        self.cache: Cache = (PreallocatedCache.for_model(model, capacity or len(self.tokens) + 1) if self.packed
+        self.cache: Cache = (PoolCache.for_model(model, capacity or len(self.tokens) + 1) if self.packed
                              else DynamicCache(config=model.config))
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @property
+    def cache_len(self) -> int:
+        """Tokens the cache covers: fed into it, or skipped (the cache's length, the skipped
+        tokens added once the forwards passed them)."""
+        positions = self.cache.get_seq_length()
+        return positions + len(self.skipped) if self.skipped and positions > self.skipped.start else positions
 
     @property
     def num_pending(self) -> int:
@@ -67,7 +76,7 @@ class CachedSequence:
     @property
     def kv_len(self) -> int:
         """Positions the cache holds."""
-        return self.kv_positions(self.cache_len)
+        return self.cache.get_seq_length()
 
     def kv_positions(self, covered: int) -> int:
         """Positions the cache holds once ``tokens[:covered]`` are covered (the skipped ones not fed)."""
@@ -120,7 +129,6 @@ class CachedSequence:
         input_ids = torch.tensor([self._fed(end)], dtype=torch.long, device=self.device)
         output = self.model(input_ids=input_ids, cache=self.cache, use_cache=True,
                             logits_to_keep=max(1, num_logits), output_hidden_states=want_hidden)
-        self.cache_len = end
         if num_logits == 0:
             return torch.empty(0), output.hidden_states[-1][0] if want_hidden else None
         hidden = output.hidden_states[-1][0, -num_logits:].float() if want_hidden else None
@@ -131,16 +139,12 @@ class CachedSequence:
                       ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """One packed forward over several sequences of one model (see :meth:`forward`);
         ``num_logits[i] == 0`` prefills sequence i (all tokens but the last, no logits)."""
-        rows, ends = [], []
+        rows = []
         for sequence, count, hidden in zip(sequences, num_logits, want_hidden):
             assert 0 <= count <= sequence.num_pending, (count, sequence.num_pending)
             end = len(sequence.tokens) - 1 if count == 0 else len(sequence.tokens)
             rows.append(SessionRows(sequence.cache, sequence.kv_len, sequence._fed(end), count, hidden))
-            ends.append(end)
-        results = packed_forward(sequences[0].model, rows, sequences[0].plan)
-        for sequence, end in zip(sequences, ends):
-            sequence.cache_len = end
-        return results
+        return packed_forward(sequences[0].model, rows, sequences[0].plan)  # the caches' lengths move
 
     def truncate(self, length: int) -> None:
         """Keep ``tokens[:length]`` and drop cache entries beyond it (never into the skipped tokens)."""
@@ -148,7 +152,21 @@ class CachedSequence:
         del self.tokens[length:]
         if self.cache_len > length:
             self.cache.crop(-(self.kv_len - self.kv_positions(length)))
-            self.cache_len = length
+
+    def fork(self, length: int) -> "CachedSequence":
+        """A new sequence of ``tokens[:length]`` whose cache is a copy of this one's up to there
+        (``length`` at most ``cache_len``; nothing pending)."""
+        assert self.skipped.stop <= length <= self.cache_len or not self.skipped and 0 <= length <= self.cache_len
+        fork = CachedSequence.__new__(CachedSequence)
+        fork.model, fork.tokens, fork.skipped, fork.device = self.model, self.tokens[:length], self.skipped, self.device
+        fork.packed, fork.plan = self.packed, self.plan
+        positions = self.kv_positions(length)
+        if isinstance(self.cache, PoolCache):
+            fork.cache = self.cache.fork(positions)
+        else:
+            fork.cache = copy.deepcopy(self.cache)
+            fork.cache.crop(-(self.kv_len - positions))
+        return fork
 
 
 #: A bounded prefill window keeps the prompt's first tokens too: models put much attention on

@@ -14,8 +14,9 @@ the Python loop:
   dense prefill span;
 * every session asks for logits (decoding, verification) and attends one query at a time, the
   CPU's reference plan (:data:`disco.engines.varlen_attention.REFERENCE_CPU`);
-* every session's cache is a :class:`~disco.engines.static_kv.PreallocatedCache` already holding
-  its prompt (the buffers grow here, before the call, where the new rows would not fit).
+* every session's cache is a :class:`~disco.engines.kv_pool.PoolCache` (a run of the model's KV
+  pool, in the model's dtype) already holding its prompt (the run grows here, before the call,
+  where the new rows would not fit).
 
 Its bits are checked against the HF forward with the rest of the lean decoder's
 (``packed_forward._lean_check``: the 4-token block there runs here), and it is switched off with
@@ -30,7 +31,7 @@ from typing import Sequence
 
 import torch
 
-from disco.engines.static_kv import PreallocatedCache, PreallocatedLayer
+from disco.engines.kv_pool import PoolCache
 from disco.models import q4q8
 
 #: RMSNorm modules whose arithmetic the C++ loop repeats (the lean decoder's ``_rms_norm``).
@@ -72,39 +73,25 @@ class NativeLoop:
         plan = packed_cache.plan
         if not self.min_rows <= rows <= self.max_rows or plan.one_call or packed_cache.layout is not None:
             return None
-        sessions = []
+        runs = []
         for span in packed_cache.spans:
             cache = span.cache
-            if not (span.one_query_at_a_time and span.end > span.start and isinstance(cache, PreallocatedCache)):
-                return None
-            layers = cache.layers
-            if not (isinstance(layers[0], PreallocatedLayer) and layers[0].is_initialized):
-                return None
-            sessions.append((span, layers, layers[0]._length))
-        layer_count = len(self.out_features) // 4
-        keys: list[torch.Tensor] = []
-        values: list[torch.Tensor] = []
+            if not (span.one_query_at_a_time and span.end > span.start and isinstance(cache, PoolCache)
+                    and cache.run.length > 0 and cache.run.dtype == hidden.dtype):
+                return None  # a prefill, or a cache without its prompt or in another dtype
+            runs.append(cache.run)
         spans: list[int] = []
-        for span, layers, length in sessions:
-            end = length + span.end - span.start
-            if len(layers) != layer_count or any(
-                    layer._length != length or layer._key_buffer is None or layer._key_buffer.dtype != hidden.dtype
-                    for layer in layers):  # every layer holds the prompt, in the model's dtype
-                return None
-            for layer in layers:
-                if end > layer.capacity:
-                    layer._grow(end)
-            spans.extend((span.start, span.end, length))
-        for index in range(layer_count):  # layer-major, as the C++ loop reads them
-            for _, layers, _ in sessions:
-                keys.append(layers[index]._key_buffer)
-                values.append(layers[index]._value_buffer)
+        for span, run in zip(packed_cache.spans, runs):
+            span.cache.pool.grow(run, run.length + span.end - span.start)  # before the call: it only writes
+            spans.extend((span.start, span.end, run.length))
+        layer_count = len(self.out_features) // 4
+        keys = [run.keys[index] for index in range(layer_count) for run in runs]  # layer-major, as the C++ loop reads
+        values = [run.values[index] for index in range(layer_count) for run in runs]
         out = torch.ops.disco_q4q8.decode_layers(
             hidden, cos, sin, self.weights, self.out_features, keys, values, spans, self.heads, self.kv_heads,
             self.head_dim, self.eps, self.scaling, self.enable_gqa, plan.compute_dtype or hidden.dtype)
-        for span, layers, length in sessions:
-            for layer in layers:
-                layer._length = length + span.end - span.start
+        for span, run in zip(packed_cache.spans, runs):
+            run.length += span.end - span.start
         return out
 
 

@@ -57,7 +57,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from disco.engines import lean_decoder
 from disco.engines.decoder_shape import DecoderShape
 from disco.engines.engine_state import engine_state
-from disco.engines.static_kv import PreallocatedCache
+from disco.engines.kv_pool import PoolCache
 from disco.engines.varlen_attention import AttentionPlan, QueryLayout, attention_plan, one_call_attention, query_layout
 from disco.models.weight_only import DENSE_MIN_ROWS, dense_prefill
 
@@ -73,7 +73,7 @@ class SessionRows:
 
     Attributes:
         cache: the session's KV cache (covers ``cache_len`` tokens; extended in place): a
-            :class:`~disco.engines.static_kv.PreallocatedCache` or any transformers cache.
+            :class:`~disco.engines.kv_pool.PoolCache` or any transformers cache.
         cache_len: tokens the cache covers before this forward.
         tokens: the tokens to feed.
         num_logits: logits wanted for the last ``num_logits`` fed tokens; 0 for a prefill.
@@ -343,7 +343,7 @@ def _lean_check(model: torch.nn.Module, lean: lean_decoder.LeanDecoder) -> str |
     tokens = torch.randint(0, vocab, (12,), generator=generator).tolist()
     outputs = []
     for forward in (False, lean):
-        cache = PreallocatedCache.for_model(model, 16)
+        cache = PoolCache.for_model(model, 16)
         packed_forward(model, [SessionRows(cache, 0, tokens[:8], 0)], lean=forward)
         logits, _ = packed_forward(model, [SessionRows(cache, 8, tokens[8:], 4)], lean=forward)[0]
         outputs.append(logits)

@@ -297,11 +297,10 @@ class SyntheticSession:
         sequence = CachedSequence(model, tokens, capacity=len(tokens) + 1)
         if self.cache_len:
             generator = torch.Generator(device=weight.device).manual_seed(self.seed)  # drawn where they live
-            for layer in sequence.cache.layers:
+            for layer in range(shape.layers):  # the last layer's update sets the cache's length
                 keys, values = (torch.randn(1, shape.kv_heads, self.cache_len, shape.head_dim, generator=generator,
                                             device=weight.device).to(weight.dtype) for _ in range(2))
-                layer.update(keys, values)
-            sequence.cache_len = self.cache_len
+                sequence.cache.update(keys, values, layer)
         return sequence
 
 

@@ -1,10 +1,9 @@
 """Sessions on the static path: the slots (issue 40 item 2; issue 49 item 3).
 
 A :class:`StaticRunner` hands out the slots of one model's
-:class:`~disco.engines.static_step.StaticCaches`. A session that takes a slot
-(:meth:`StaticRunner.acquire`) gets, as its :class:`~disco.engines.kv.CachedSequence`'s cache, a
-:class:`SlotCache`: a :class:`~disco.engines.static_kv.PreallocatedCache` whose buffers are *views
-of its slot*. So the packed forward (prefills, batches with a prefill in them) and the static step
+:class:`~disco.engines.static_step.StaticCaches` (a chunk of the model's KV pool). A session that
+takes a slot (:meth:`StaticRunner.acquire`) gets, as its :class:`~disco.engines.kv.CachedSequence`'s
+cache, a :class:`~disco.engines.kv_pool.PoolCache` over *its slot's run*. So the packed forward (prefills, batches with a prefill in them) and the static step
 write the same storage, and a session may take either path from one forward to the next: both
 attend in the one-call plan, in which they give the same bits (``tests/test_static_step.py``). A
 batch of decoding/verification steps of slotted sessions (:meth:`StaticRunner.run`) goes to the
@@ -40,7 +39,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from disco.engines.static_kv import PreallocatedCache, PreallocatedLayer
+from disco.engines.kv_pool import PoolCache
 from disco.engines.static_proof import prove_static
 from disco.engines.static_step import BLOCK_BUCKETS, SESSION_BUCKETS, Bucket, SlotRows, StaticCaches
 from disco.engines.step_runner import StepRunner
@@ -54,33 +53,6 @@ logger = logging.getLogger(__name__)
 
 #: Why a runner is off before the batcher gave it the packing verdict (:meth:`StaticRunner.gate`).
 _UNGATED = "no packing verdict yet"
-
-
-class SlotLayer(PreallocatedLayer):
-    """A :class:`PreallocatedLayer` over one slot's buffers (views ``[1, kv_heads, capacity,
-    head_dim]``): it never grows (that would leave the slot)."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:  # each [1, kv_heads, capacity, head_dim]
-        super().__init__(keys.shape[-2])
-        self._key_buffer, self._value_buffer = keys, values
-        self._length, self.is_initialized, self.device = 0, True, keys.device
-
-    def _grow(self, needed: int) -> None:
-        raise ResourceExhausted(f"a session's cache slot holds {self.capacity} positions; {needed} were asked for")
-
-
-class SlotCache(PreallocatedCache):
-    """A session's cache in slot ``slot`` of ``caches`` (module doc)."""
-
-    def __init__(self, caches: StaticCaches, slot: int) -> None:
-        super().__init__(len(caches.keys), caches.capacity)
-        self.layers = [SlotLayer(keys[slot: slot + 1], values[slot: slot + 1])
-                       for keys, values in zip(caches.keys, caches.values)]
-        self.slot = slot
-
-    def set_length(self, length: int) -> None:
-        for layer in self.layers:
-            layer._length = length
 
 
 class StaticRunner:
@@ -165,7 +137,7 @@ class StaticRunner:
                 return False
             slot = heapq.heappop(self._free_heap)
             self._owners[slot] = owner
-        sequence.cache = SlotCache(self.caches, slot)
+        sequence.cache = self.caches.cache(slot)  # its packed-path run goes back to the pool
         sequence.plan = self.plan
         weakref.finalize(sequence, self._freed, slot, owner)
         return True
@@ -189,7 +161,7 @@ class StaticRunner:
 
     def _give_back(self, slot: int) -> None:
         del self._owners[slot]
-        self.caches.lengths[slot] = 0
+        self.caches.runs[slot].length = 0
         heapq.heappush(self._free_heap, slot)
 
     def release(self, slot: int) -> None:
@@ -224,9 +196,9 @@ class StaticRunner:
         model's current lean decoder, slotted sessions, logits asked for (no prefill), no hidden
         states, blocks within the largest bucket."""
         return (self.refused is None
-                and all(isinstance(sequence.cache, SlotCache) and count > 0 and not hidden
-                        and sequence.num_pending <= BLOCK_BUCKETS[-1]
-                        and self._owners.get(sequence.cache.slot, lambda: None)() is sequence
+                and all(isinstance(sequence.cache, PoolCache) and sequence.cache.run.slot is not None
+                        and count > 0 and not hidden and sequence.num_pending <= BLOCK_BUCKETS[-1]
+                        and self._owners.get(sequence.cache.run.slot, lambda: None)() is sequence
                         for sequence, count, hidden in zip(sequences, num_logits, want_hidden))
                 and self._decoder_ready())
 
@@ -236,16 +208,12 @@ class StaticRunner:
         returns per sequence its logits ``[num_logits, vocab]`` (float32, tensors of their own)
         and advances its cache, as the packed forward does."""
         with self._lock:
-            self._drain()
-            for slot, owner in self._owners.items():  # every slot's length: the padding rows write past it
-                sequence = owner()
-                self.caches.lengths[slot] = sequence.kv_len if sequence is not None else 0
-        rows = [SlotRows(sequence.cache.slot, sequence._fed(len(sequence.tokens))) for sequence in sequences]
+            self._drain()  # a freed sequence's slot back at length 0: padding rows may write past it
+        rows = [SlotRows(sequence.cache.run.slot, sequence._fed(len(sequence.tokens))) for sequence in sequences]
         logits = self.steps.run(rows)  # the smallest bucket by sessions, not slot numbers
         results = []
         for sequence, row, count, slot_logits in zip(sequences, rows, num_logits, logits):
-            sequence.cache_len = len(sequence.tokens)
-            sequence.cache.set_length(sequence.kv_len)
+            sequence.cache.run.length += len(row.tokens)  # the slot's length: the one record
             results.append((slot_logits[len(row.tokens) - count:], None))
         return results
 

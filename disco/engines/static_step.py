@@ -6,10 +6,11 @@ depend on the data, nothing may read a value back to the host. The packed forwar
 (:mod:`disco.engines.packed_forward`) breaks all three (per-session caches of their own
 lengths, a row of ``sum(k_i)`` tokens, Python loops over sessions). Here:
 
-* **Static caches** (:class:`StaticCaches`): per layer one key and one value buffer
-  ``[slots, kv_heads, capacity, head_dim]`` allocated once; a session owns a *slot*, its
-  length is a host integer (rolling back a rejected block is setting it). Prefills stay on the
-  packed path; :meth:`StaticCaches.load` copies a prefilled session's cache into its slot.
+* **Static caches** (:class:`StaticCaches`): the slots of the model's KV pool
+  (:meth:`~disco.engines.kv_pool.KVPool.slot_runs`), one chunk seen per layer as one key and
+  one value buffer ``[slots, kv_heads, capacity, head_dim]``; a session owns a *slot*, a fixed
+  run of the pool whose length is a host integer (rolling back a rejected block is setting it).
+  Prefills of slotted sessions run on the packed path over the same storage.
 * **Buckets** (:class:`Bucket`): a step runs ``sessions`` rows of ``block`` query tokens each,
   both rounded up to :data:`SESSION_BUCKETS` / :data:`BLOCK_BUCKETS` (vLLM and SGLang pad a
   batch to the next captured size the same way). A bucket counts sessions, not slot numbers:
@@ -44,7 +45,7 @@ import torch
 
 from disco.engines.decoder_shape import DecoderShape
 from disco.engines.lean_decoder import LeanDecoder
-from disco.engines.static_kv import PreallocatedCache
+from disco.engines.kv_pool import PAGE, KVPool, PoolCache
 from disco.engines.varlen_attention import KEY_GRANULE, AttentionPlan, attend_items, item_masks
 from disco.errors import InvalidRequest
 
@@ -78,43 +79,55 @@ def bucket_for(sessions: int, block: int) -> Bucket:
 
 
 class StaticCaches:
-    """Every slot's keys and values, allocated once (module doc).
+    """Every slot's keys and values: a chunk of the model's KV pool (module doc).
 
     Args:
-        model: the model whose layers fill the caches (its device and dtype).
+        model: the model whose layers fill the caches (its pool, device and dtype).
         slots: sessions the caches hold at once (rounded up to a session bucket).
-        capacity: positions per slot (rounded up to :data:`KEY_GRANULE`); a slot's length plus
-            the step's block must fit.
+        capacity: positions per slot (rounded up to :data:`KEY_GRANULE` and the pool's page); a
+            slot's length plus the step's block must fit.
+
+    Attributes:
+        keys, values: per layer ``[slots, kv_heads, capacity, head_dim]`` views of the chunk.
+        runs: the slots' runs (run ``i`` in slot ``i``): each slot's length is its run's.
     """
 
     def __init__(self, model: torch.nn.Module, slots: int, capacity: int) -> None:
         decoder = DecoderShape.of(model)
-        embedding = model.get_input_embeddings().weight
-        self.capacity = -(-capacity // KEY_GRANULE) * KEY_GRANULE
+        granule = max(KEY_GRANULE, PAGE)
+        assert granule % KEY_GRANULE == 0 and granule % PAGE == 0, (KEY_GRANULE, PAGE)
+        self.capacity = -(-capacity // granule) * granule
         slots = next((size for size in SESSION_BUCKETS if size >= slots), slots)  # every bucket up to it fits
-        shape = (slots, decoder.kv_heads, self.capacity, decoder.head_dim)
-        self.keys = [torch.zeros(shape, dtype=embedding.dtype, device=embedding.device) for _ in range(decoder.layers)]
-        self.values = [torch.zeros(shape, dtype=embedding.dtype, device=embedding.device)
-                       for _ in range(decoder.layers)]
-        self.lengths = [0] * slots  # positions each slot's cache holds (the host's truth)
+        self.pool = KVPool.of(model)
+        self.runs = self.pool.slot_runs(slots, self.capacity)
+        chunk = self.runs[0].chunk
+        shape = (decoder.kv_heads, slots, self.capacity, decoder.head_dim)
+        self.keys = [keys.view(shape).transpose(0, 1) for keys in chunk.keys]
+        self.values = [values.view(shape).transpose(0, 1) for values in chunk.values]
+        self.nbytes = chunk.nbytes  # device bytes of all slots (what the KV budget must count)
 
     @property
     def slots(self) -> int:
-        return len(self.lengths)
+        return len(self.runs)
 
     @property
-    def nbytes(self) -> int:
-        """Device bytes of all buffers (what the KV budget must count)."""
-        return sum(buffer.numel() * buffer.element_size() for buffer in (*self.keys, *self.values))
+    def lengths(self) -> tuple[int, ...]:
+        """Positions each slot's cache holds (its run's length: the one record; set it there)."""
+        return tuple(run.length for run in self.runs)
 
-    def load(self, slot: int, cache: PreallocatedCache, length: int) -> None:
+    def cache(self, slot: int) -> PoolCache:
+        """A session's cache in ``slot`` (the slot's run, as its length stands)."""
+        return PoolCache(self.pool, self.runs[slot])
+
+    def load(self, slot: int, cache: PoolCache, length: int) -> None:
         """Copy the first ``length`` positions of a (prefilled) packed-path cache into ``slot``."""
         if length > self.capacity:
             raise InvalidRequest(f"{length} positions do not fit a slot of {self.capacity}")
-        for layer, (keys, values) in enumerate(zip(self.keys, self.values)):
-            keys[slot, :, :length] = cache.layers[layer].keys[0, :, :length]
-            values[slot, :, :length] = cache.layers[layer].values[0, :, :length]
-        self.lengths[slot] = length
+        run = self.runs[slot]
+        for layer in range(len(self.keys)):
+            run.keys[layer][:, :, :length] = cache.layers[layer].keys[:, :, :length]
+            run.values[layer][:, :, :length] = cache.layers[layer].values[:, :, :length]
+        run.length = length
 
 
 @dataclass(frozen=True)
@@ -176,8 +189,8 @@ class StaticStep:
     def forward(self, rows: Sequence[SlotRows]) -> list[torch.Tensor]:
         """Feed each session's tokens (at most ``bucket.sessions`` sessions in distinct slots, at
         most ``block`` tokens each); returns per row its logits ``[len(tokens), vocab]`` (float32,
-        a tensor of its own). The caches' lengths are not advanced: the caller commits what it
-        keeps (``caches.lengths[slot]``)."""
+        a tensor of its own). The slots' lengths are not advanced: the caller commits what it
+        keeps (``caches.runs[slot].length``)."""
         self.fill(rows)
         return self.read(self.compute(), rows)
 

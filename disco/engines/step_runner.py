@@ -214,6 +214,7 @@ class StepRunner:
         steps = [StaticStep(self.lean, self.caches, bucket, self.plan, self.inputs) for bucket in buckets or self.buckets]
         graphed, report = capture_buckets(steps)
         self._steps.update(graphed)
-        self.caches.lengths = [0] * self.caches.slots
+        for run in self.caches.runs:  # the captures' writes are no session's
+            run.length = 0
         self.graphed = True
         return report

@@ -16,7 +16,6 @@ decoding; under sampling the Gumbel-max sample of the warped distribution with t
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -87,10 +86,8 @@ def branches_cached(model: torch.nn.Module, trunk: CachedSequence, prompt_len: i
     to the mismatch (no prefix recomputation)."""
     out: dict[int, BranchSteps] = {}
     for p, n in sorted(branches.items()):
-        sequence = CachedSequence(model, trunk.tokens[:prompt_len + p] + [draft_tokens[p]])
-        sequence.cache = copy.deepcopy(trunk.cache)
-        sequence.cache.crop(-(trunk.cache_len - (prompt_len + p)))  # negative: tokens to remove
-        sequence.cache_len = prompt_len + p
+        sequence = trunk.fork(prompt_len + p)  # the trunk's cache copied up to the mismatch
+        sequence.tokens.append(draft_tokens[p])
         out[p] = draft_freely(sequence, n, want_hidden, chooser)
     return out
 

@@ -13,7 +13,7 @@ tune_cpu_math_env()
 from disco.config import ModelConfig
 from disco.models.loading import load_model, disco_home
 from disco.engines.packed_forward import SessionRows, packed_forward, lean_decoder_for
-from disco.engines.static_kv import PreallocatedCache
+from disco.engines.kv_pool import PoolCache
 spec = importlib.util.spec_from_file_location("old_lean", f"{sys.argv[2]}/disco/engines/lean_decoder.py")
 old_lean = importlib.util.module_from_spec(spec); sys.modules["old_lean"] = old_lean; spec.loader.exec_module(old_lean)
 role = sys.argv[1] if len(sys.argv) > 1 else "target"
@@ -24,11 +24,11 @@ ctx = [(i * 7919) % 151000 + 1 for i in range(200)]
 times = {"old": {1: [], 5: []}, "new": {1: [], 5: []}}
 with torch.inference_mode():
     for name, dec in (("old", old), ("new", new)):
-        cache = PreallocatedCache.for_model(m, 260)
+        cache = PoolCache.for_model(m, 260)
         packed_forward(m, [SessionRows(cache, 0, ctx, 0)], lean=dec)
     caches = {}
     for name, dec in (("old", old), ("new", new)):
-        caches[name] = PreallocatedCache.for_model(m, 260); packed_forward(m, [SessionRows(caches[name], 0, ctx, 0)], lean=dec)
+        caches[name] = PoolCache.for_model(m, 260); packed_forward(m, [SessionRows(caches[name], 0, ctx, 0)], lean=dec)
     outs = {}
     for r in range(60):
         for k in (1, 5):

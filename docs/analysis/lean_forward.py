@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 from disco.config import ModelConfig  # noqa: E402
 from disco.engines.packed_forward import SessionRows, describe_forward, packed_forward  # noqa: E402
-from disco.engines.static_kv import PreallocatedCache  # noqa: E402
+from disco.engines.kv_pool import PoolCache  # noqa: E402
 from disco.models import q4q8  # noqa: E402
 from disco.models.loading import disco_home, load_model  # noqa: E402
 
@@ -45,7 +45,7 @@ def main() -> None:
     tokens = [(i * 7919) % (loaded.vocab_size - 1) + 1 for i in range(args.context + args.steps + block)]
 
     def median_ms(lean: bool) -> float:
-        cache = PreallocatedCache.for_model(model, len(tokens))
+        cache = PoolCache.for_model(model, len(tokens))
         packed_forward(model, [SessionRows(cache, 0, tokens[:args.context], 0)], lean=None if lean else False)
         length, seconds = args.context, []
         for _ in range(args.steps):

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 from disco.config import ModelConfig  # noqa: E402
 from disco.engines.packed_forward import SessionRows, lean_decoder_for, packed_forward  # noqa: E402
-from disco.engines.static_kv import PreallocatedCache  # noqa: E402
+from disco.engines.kv_pool import PoolCache  # noqa: E402
 from disco.models.loading import disco_home, load_model  # noqa: E402
 
 
@@ -46,7 +46,7 @@ def main() -> None:
         raise SystemExit(f"no C++ loop for this model: {lean.describe() if lean else 'no lean decoder'}")
     print(lean.describe(), flush=True)
     context = [(i * 7919) % (vocab - 1) + 1 for i in range(args.context)]
-    cache = PreallocatedCache.for_model(model, args.context + 64)
+    cache = PoolCache.for_model(model, args.context + 64)
     packed_forward(model, [SessionRows(cache, 0, context, 0)])
     native = lean.native
     best: dict[tuple[str, int], float] = {}

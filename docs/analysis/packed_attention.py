@@ -1,7 +1,7 @@
 """Micro-benchmark behind disco.engines.varlen_attention.attention_plan and kv.cache_for: the
 packed forward's attention for the queries that ask for logits (reference: one sdpa per query;
 one call: every query in one batched sdpa) and the KV cache's update + rollback (DynamicCache:
-``torch.cat``; PreallocatedCache: a slice write), at Qwen2.5-1.5B-like shapes: 12 query heads,
+``torch.cat``; PoolCache, a run of the KV pool: a slice write), at Qwen2.5-1.5B-like shapes: 12 query heads,
 2 KV heads, head_dim 128, 28 layers, bf16 caches. Attention only, no projections.
 
     .venv/bin/python docs/analysis/packed_attention.py [--threads 1] [--repeats 3]
@@ -20,7 +20,8 @@ import torch
 from transformers import DynamicCache
 
 from disco.engines.packed_forward import _one_query_at_a_time
-from disco.engines.static_kv import PreallocatedCache
+from disco.engines.decoder_shape import DecoderShape
+from disco.engines.kv_pool import KVPool, PoolCache
 from disco.engines.varlen_attention import ONE_CALL_CPU, REFERENCE_CPU, one_call_attention, query_layout
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 12, 2, 128, 28
@@ -75,7 +76,12 @@ def cache(length: int, block: int, accepted: int, repeats: int) -> tuple[float, 
         return _median_ms(run, repeats)
 
     return (cycle(lambda: DynamicCache()),
-            cycle(lambda: PreallocatedCache(LAYERS, length + 4 * repeats * block + 64)))
+            cycle(lambda: _pool_cache(length + 4 * repeats * block + 64)))
+
+
+def _pool_cache(capacity: int) -> PoolCache:
+    pool = KVPool(DecoderShape(LAYERS, HEADS, KV_HEADS, HEAD_DIM), torch.bfloat16, torch.device("cpu"))
+    return PoolCache(pool, pool.allocate(capacity))
 
 
 def main() -> None:
@@ -93,7 +99,7 @@ def main() -> None:
     for length in (100, 300, 600):
         dynamic, preallocated = cache(length, 5, 2, args.repeats)
         print(f"cache {length} positions, write 5 keep 3: DynamicCache {dynamic:.2f} ms, "
-              f"PreallocatedCache {preallocated:.2f} ms per cycle")
+              f"PoolCache {preallocated:.2f} ms per cycle")
 
 
 if __name__ == "__main__":
