@@ -43,6 +43,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.max_prompt_tokens = max_prompt_tokens  # applies to re-prefills too (prompt + tokens so far)
         self.metrics = metrics or ServerMetrics("target", loaded.name)
         self.metrics.track_sessions(engine.active_sessions, limits.max_sessions)
+        self.metrics.track_kv(*engine.kv_memory())
         # Proven when the engine's batcher started (kept on the model): stated in Info and /metrics.
         self.exactness = serving_exactness(exactness_for(loaded.model), engine.static)
         self.metrics.describe_exactness(self.exactness.proven, self.exactness.statement)

@@ -162,3 +162,50 @@ def test_a_chunk_the_allocator_cannot_give_is_resource_exhausted_and_an_out_of_m
         pool.allocate(10)
     assert isinstance(raised.value, ResourceExhausted) and is_out_of_memory(raised.value)  # the batcher isolates it
     assert not pool._chunks
+
+
+def test_the_services_report_the_kv_budget_reservations_and_pool_bytes_in_metrics(tokenizer):
+    """``disco_kv_cache_budget_bytes``, ``disco_kv_cache_reserved_bytes`` and ``disco_kv_pool_bytes``
+    of a real target and draft service on loopback: the start-up proofs' sessions leave one empty
+    chunk, a session reserves its tokens and takes its run there (no second chunk), and ends."""
+    import urllib.request  # noqa: PLC0415
+
+    import grpc  # noqa: PLC0415
+
+    import draft_service.server  # noqa: PLC0415
+    import target_service.server  # noqa: PLC0415
+    from disco.engines.sessions import SessionLimits, kv_bytes_per_token  # noqa: PLC0415
+    from protos.disco.v1 import common_pb2, target_pb2, target_pb2_grpc  # noqa: PLC0415
+    from protos.runtime.metrics import sample_value  # noqa: PLC0415
+    from tests import tiny  # noqa: PLC0415
+    from tests.grpc_fixtures import loaded  # noqa: PLC0415
+
+    model, draft_model = tiny.qwen2(seed=5), tiny.qwen2(seed=6, hidden=32, layers=1)  # pools of their own
+    per_token = kv_bytes_per_token(model)
+    chunk, draft_chunk = CHUNK_POSITIONS * per_token, CHUNK_POSITIONS * kv_bytes_per_token(draft_model)
+    limits = SessionLimits(max_kv_bytes=10**8)
+
+    def scrape(running) -> dict[str, float | None]:
+        with urllib.request.urlopen(f"http://{running.metrics_address}/metrics", timeout=10) as page:
+            text = page.read().decode()
+        return {name: sample_value(text, f"disco_kv_{name}_bytes") for name in ("cache_budget", "cache_reserved", "pool")}
+
+    target = target_service.server.serve(loaded(model, tokenizer, "tiny-kv"), limits=limits, metrics_port=0)
+    draft = draft_service.server.serve(loaded(draft_model, tokenizer, "tiny-kv-draft"), limits=limits, metrics_port=0)
+    try:
+        assert scrape(target) == {"cache_budget": 10**8, "cache_reserved": 0, "pool": chunk}
+        assert scrape(draft) == {"cache_budget": 10**8, "cache_reserved": 0, "pool": draft_chunk}
+        with grpc.insecure_channel(target.address) as channel:
+            stub = target_pb2_grpc.TargetServiceStub(channel)
+            sampling = common_pb2.SamplingParams(temperature=0.0, max_new_tokens=8, seed=1)
+            stub.StartSession(target_pb2.StartTargetSessionRequest(session_id="kv", prompt_ids=[5, 6, 7],
+                                                                   sampling=sampling), timeout=30)
+            during = scrape(target)
+            stub.EndSession(common_pb2.EndSessionRequest(session_id="kv"), timeout=30)
+        gc.collect()
+        after = scrape(target)
+    finally:
+        target.stop(0)
+        draft.stop(0)
+    assert during["cache_reserved"] >= (3 + 8) * per_token and during["pool"] == chunk
+    assert after == {"cache_budget": 10**8, "cache_reserved": 0, "pool": chunk}  # one empty chunk kept

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -18,6 +18,7 @@ from disco.config import MIN_PREFILL_WINDOW, SamplingParams
 from disco.engines.batching import DEFAULT_MAX_BATCH, ForwardBatcher
 from disco.engines.device_clock import now_ns
 from disco.engines.kv import CachedSequence, prefill_window_skip
+from disco.engines.kv_pool import KVPool
 from disco.engines.predraft import Predraft, can_predraft
 from disco.engines.sessions import KvBudget, SessionLimits, SessionStore
 from disco.engines.static_runner import static_runner_for
@@ -402,3 +403,9 @@ class DraftEngine:
 
     def active_sessions(self) -> int:
         return len(self.sessions)
+
+    def kv_memory(self) -> tuple[int, Callable[[], int], Callable[[], int]]:
+        """The KV budget in bytes, and readers of the bytes sessions reserved and of those the
+        model's KV pool holds (``/metrics``)."""
+        pool = KVPool.of(self.model)
+        return self.sessions.kv.budget_bytes, lambda: self.sessions.kv_bytes_in_use, lambda: pool.nbytes

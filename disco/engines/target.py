@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -21,6 +21,7 @@ from disco.config import SamplingParams
 from disco.engines.batching import DEFAULT_MAX_BATCH, ForwardBatcher
 from disco.engines.device_clock import now_ns
 from disco.engines.kv import CachedSequence
+from disco.engines.kv_pool import KVPool
 from disco.engines.sessions import KvBudget, SessionLimits, SessionStore
 from disco.engines.static_runner import static_runner_for
 from disco.errors import InvalidRequest, SessionMismatch
@@ -172,3 +173,9 @@ class TargetEngine:
 
     def active_sessions(self) -> int:
         return len(self.sessions)
+
+    def kv_memory(self) -> tuple[int, Callable[[], int], Callable[[], int]]:
+        """The KV budget in bytes, and readers of the bytes sessions reserved and of those the
+        model's KV pool holds (``/metrics``)."""
+        pool = KVPool.of(self.model)
+        return self.sessions.kv.budget_bytes, lambda: self.sessions.kv_bytes_in_use, lambda: pool.nbytes

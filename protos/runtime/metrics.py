@@ -60,6 +60,17 @@ class ServerMetrics:
         self.active_sessions.set_function(count)
         self.max_sessions.set(max_sessions)
 
+    def track_kv(self, budget_bytes: int, reserved_bytes: Callable[[], int], pool_bytes: Callable[[], int]) -> None:
+        """The KV cache's memory, read at every scrape: ``disco_kv_cache_budget_bytes`` (what
+        admission allows), ``disco_kv_cache_reserved_bytes`` (what admitted sessions reserved) and
+        ``disco_kv_pool_bytes`` (what the model's KV pool holds: its chunks, docs/operations.md)."""
+        Gauge("disco_kv_cache_budget_bytes", "KV-cache bytes all sessions together may reserve (--max-kv-bytes or "
+              "derived at start)", registry=self.registry).set(budget_bytes)
+        Gauge("disco_kv_cache_reserved_bytes", "KV-cache bytes reserved by the admitted sessions",
+              registry=self.registry).set_function(reserved_bytes)
+        Gauge("disco_kv_pool_bytes", "Bytes the model's KV pool holds (chunks of pages, allocated as sessions need "
+              "them)", registry=self.registry).set_function(pool_bytes)
+
     def track_batches(self, batch_sizes: Callable[[], Sequence[int]], packed: bool = True, detail: str = "") -> None:
         """Expose the mean of the engine's recent forward batch sizes (cross-session batching)
         and whether forwards are packed (``disco_forward_batching_packed``: 1 packed, 0 one by
