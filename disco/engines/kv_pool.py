@@ -27,20 +27,20 @@ rolling back a rejected block (setting the length) copy nothing.
   transformers' ``DynamicCache`` (:mod:`disco.engines.kv`).
 
 Runs are released when their cache is garbage collected (``weakref.finalize``), which may happen
-inside any allocation, also while this pool's lock is held: the finalizer only queues the run and
-frees it at once if the lock is free; the queue is drained under the lock.
+inside any allocation, also while this pool's lock is held: the finalizer never waits for the lock
+(:class:`~disco.engines.deferred_release.DeferredRelease`).
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections import deque
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from disco.engines.decoder_shape import DecoderShape
+from disco.engines.deferred_release import DeferredRelease
 from disco.engines.engine_state import engine_state
 from disco.errors import ResourceExhausted, first_line
 
@@ -134,7 +134,9 @@ class KVPool:
         self.shape, self.dtype, self.device = shape, dtype, device
         self._chunks: list[_Chunk] = []
         self._lock = threading.Lock()
-        self._released: deque[KVRun] = deque()  # runs whose caches were freed, not yet back
+        # runs whose caches were freed, not yet back (finalizers never wait for the lock)
+        self._released: DeferredRelease[KVRun] = DeferredRelease(
+            self._lock, lambda run: self._free(run.chunk, run.first, run.pages))
 
     def __deepcopy__(self, memo: dict) -> "KVPool":
         """A copied model's pool starts empty (its state is settled anew: engine_state)."""
@@ -161,7 +163,7 @@ class KVPool:
         """A run of at least ``positions`` positions (length 0)."""
         pages = _pages(positions)
         with self._lock:
-            self._drain()
+            self._released.drain()
             chunk, first = self._find(pages)
             chunk.mark(first, pages, 1)
             chunk.runs += 1
@@ -176,7 +178,7 @@ class KVPool:
             raise ResourceExhausted(f"a session's cache slot holds {run.capacity} positions; {positions} were asked for")
         pages = _pages(max(positions, 2 * run.capacity))
         with self._lock:
-            self._drain()
+            self._released.drain()
             chunk, end = run.chunk, run.first + run.pages
             extra = pages - run.pages
             if end + extra <= len(chunk.taken) and not any(chunk.taken[end: end + extra]):
@@ -206,17 +208,7 @@ class KVPool:
 
     def release(self, run: KVRun) -> None:
         """``run`` is free again (its cache was freed). Safe in a finalizer (module doc)."""
-        self._released.append(run)
-        if self._lock.acquire(blocking=False):
-            try:
-                self._drain()
-            finally:
-                self._lock.release()
-
-    def _drain(self) -> None:
-        while self._released:
-            run = self._released.popleft()
-            self._free(run.chunk, run.first, run.pages)
+        self._released.put(run)
 
     def _free(self, chunk: _Chunk, first: int, pages: int) -> None:
         """Give pages back (lock held); drop a chunk whose last run left, keeping one empty chunk."""

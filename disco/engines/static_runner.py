@@ -24,8 +24,7 @@ sessions' slots).
 
 A slot comes back when its session's sequence is freed, by a ``weakref.finalize`` callback that
 may run inside any allocation (a garbage collection), also while this runner's lock is held: it
-only queues the slot (a ``deque``, no lock) and frees it at once if the lock is free; the queue
-is drained under the lock.
+never waits for the lock (:class:`~disco.engines.deferred_release.DeferredRelease`).
 """
 
 from __future__ import annotations
@@ -34,11 +33,11 @@ import heapq
 import logging
 import threading
 import weakref
-from collections import deque
 from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from disco.engines.deferred_release import DeferredRelease
 from disco.engines.kv_pool import PoolCache
 from disco.engines.static_proof import prove_static
 from disco.engines.static_step import BLOCK_BUCKETS, SESSION_BUCKETS, Bucket, SlotRows, StaticCaches
@@ -72,8 +71,9 @@ class StaticRunner:
         self.steps = StepRunner(lean, self.caches, plan)  # the buckets' steps, eager or graphed
         self._free_heap = list(range(self.caches.slots))
         self._owners: dict[int, weakref.ref] = {}
-        self._released: deque[tuple[int, weakref.ref]] = deque()  # slots whose sequences were freed, not yet back
         self._lock = threading.Lock()
+        # slots whose sequences were freed, not yet back (finalizers never wait for the lock)
+        self._released: DeferredRelease[tuple[int, weakref.ref]] = DeferredRelease(self._lock, self._release_queued)
         self.verdict = None  # the batcher's PackingVerdict (gate); no slot is handed out before it allows
         self.refused: str | None = _UNGATED  # why the path is off; None: on
         self.proof = None  # the start-up proof's StaticProof (gate)
@@ -121,7 +121,7 @@ class StaticRunner:
     def _free(self) -> list[int]:
         """The free slots (a heap), with the slots of freed sequences taken back first."""
         with self._lock:
-            self._drain()
+            self._released.drain()
             return self._free_heap
 
     def acquire(self, sequence: "CachedSequence", reserved_tokens: int) -> bool:
@@ -132,7 +132,7 @@ class StaticRunner:
             return False
         owner = weakref.ref(sequence)
         with self._lock:
-            self._drain()
+            self._released.drain()
             if not self._free_heap:
                 return False
             slot = heapq.heappop(self._free_heap)
@@ -145,19 +145,13 @@ class StaticRunner:
     def _freed(self, slot: int, owner: weakref.ref) -> None:
         """The finalizer of a slotted sequence: may run inside a garbage collection anywhere, this
         runner's lock held or not (module doc), so it never waits for the lock."""
-        self._released.append((slot, owner))
-        if self._lock.acquire(blocking=False):
-            try:
-                self._drain()
-            finally:
-                self._lock.release()
+        self._released.put((slot, owner))
 
-    def _drain(self) -> None:
-        """Free the queued slots (lock held); a slot taken by another sequence since stays taken."""
-        while self._released:
-            slot, owner = self._released.popleft()
-            if self._owners.get(slot) is owner:
-                self._give_back(slot)
+    def _release_queued(self, item: tuple[int, weakref.ref]) -> None:
+        """Free a queued slot (lock held); a slot taken by another sequence since stays taken."""
+        slot, owner = item
+        if self._owners.get(slot) is owner:
+            self._give_back(slot)
 
     def _give_back(self, slot: int) -> None:
         del self._owners[slot]
@@ -167,7 +161,7 @@ class StaticRunner:
     def release(self, slot: int) -> None:
         """The slot is free again (the session ended). Not for finalizers: it takes the lock."""
         with self._lock:
-            self._drain()
+            self._released.drain()
             if slot in self._owners:
                 self._give_back(slot)
 
@@ -208,7 +202,7 @@ class StaticRunner:
         returns per sequence its logits ``[num_logits, vocab]`` (float32, tensors of their own)
         and advances its cache, as the packed forward does."""
         with self._lock:
-            self._drain()  # a freed sequence's slot back at length 0: padding rows may write past it
+            self._released.drain()  # a freed sequence's slot back at length 0: padding rows may write past it
         rows = [SlotRows(sequence.cache.run.slot, sequence._fed(len(sequence.tokens))) for sequence in sequences]
         logits = self.steps.run(rows)  # the smallest bucket by sessions, not slot numbers
         results = []
