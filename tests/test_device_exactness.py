@@ -32,6 +32,7 @@ from disco.engines import device_clock, engine_costs, packing_proof
 from disco.engines.batching import ForwardBatcher
 from disco.engines.packing_proof import exactness_for, prove_decoding, verdict_for
 from disco.models import quantize, row_stable, weight_only
+from disco.models.model_record import model_record
 from disco.models.row_stable import RowStableLinear
 from disco_cli.main import main
 from protos.disco.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
@@ -157,7 +158,7 @@ def test_a_row_stable_model_is_proven_bit_exact_on_its_device(target_model):
     exactness = prove_decoding(model)
     assert exactness.proven, exactness.statement
     assert exactness.statement.startswith(f"bit-exact on {model.device}: verified blocks of 2/5/9/21 tokens")
-    assert model._disco_row_plans in exactness.statement  # what the row plans are
+    assert model_record(model).row_plans in exactness.statement  # what the row plans are
 
 
 def test_a_row_variant_linear_fails_the_proof_and_the_engine_says_so(target_model):

@@ -16,7 +16,7 @@ import torch
 from disco.engines import lean_decoder
 from disco.engines.packed_forward import SessionRows, lean_decoder_for, packed_forward, supports_packing
 from disco.engines.kv_pool import PoolCache
-from disco.models import q4q8
+from disco.models import q4q8, row_stable
 from disco.models.int4 import Int4Linear
 from disco.models.quantize import quantize_model
 from tests import tiny
@@ -116,6 +116,24 @@ def test_a_model_changed_after_its_first_forward_gets_a_new_decoder():
     second = lean_decoder_for(model)
     assert second is not None and second is not first
     assert_same(model, PROMPTS[:2], [1, 3])
+
+
+def test_row_plans_given_after_the_first_forward_reach_the_fused_projections(ops):
+    """The models room's changes move the model's weights version (row plans here, as an engine's
+    start gives them when its first proof fails): the next forward builds a decoder whose fused
+    projections run in the parts' new plans; nothing else rebuilds it."""
+    model = q4q8_model(5)
+    first = lean_decoder_for(model)
+    assert first.blocks[0].wqkv.direct.row_plan is None
+    assert lean_decoder_for(model) is first and first.is_current()
+    row_stable.stabilize(model)
+    assert not first.is_current()
+    second = lean_decoder_for(model)
+    parts = second.blocks[0].wqkv.parts
+    assert second is not first and parts[0].row_plan is not None
+    assert second.blocks[0].wqkv.direct.row_plan == parts[0].row_plan
+    assert lean_decoder_for(model) is second
+    assert_same(model, PROMPTS, [1, 3, 2])
 
 
 def test_a_copied_model_gets_its_own_decoder():

@@ -35,6 +35,7 @@ from disco.engines.target import TargetEngine
 from disco.engines.varlen_attention import ONE_CALL_CPU
 from disco.models import q4q8, row_stable
 from disco.models.int4 import Int4Linear
+from disco.models.model_record import weights_changed
 from disco.models.quantize import quantize_model
 from tests import tiny
 
@@ -152,6 +153,7 @@ def replace_a_projection(model: torch.nn.Module) -> None:
     """A new module in the model (what quantizing or new row plans do): its lean decoder is stale."""
     mlp = model.get_decoder().layers[0].mlp
     mlp.down_proj = copy.deepcopy(mlp.down_proj)
+    weights_changed(model)  # what the models room says when it does either
 
 
 def test_an_eager_runner_rebuilds_its_steps_over_the_model_s_current_decoder():

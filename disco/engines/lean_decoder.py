@@ -30,7 +30,9 @@ forward (row plans, a verified block equals decoding, the start-up packing proof
 it. :func:`disco.engines.packed_forward.lean_decoder_for` checks that promise once per model (a
 short prefill and a block through both forwards, logits compared bit for bit) and falls back to
 the HF forward, with the reason in the log, where it does not hold or the architecture is not
-one it knows.
+one it knows. The decoder is built over the model's modules as they stand; the models room moves
+the model's weights version when it changes them (:mod:`disco.models.model_record`), and the next
+forward gets a new decoder (:meth:`LeanDecoder.is_current`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from disco.engines.decoder_shape import DecoderShape
 from disco.engines.native_loop import NativeLoop, native_loop
 from disco.models import q4q8
 from disco.models.int4 import Int4Linear
+from disco.models.model_record import model_record
 from disco.models.weight_only import dense_spans_active
 
 #: Architectures whose decoder layer is the one below (pre-norm RMSNorm, rotary GQA
@@ -78,21 +81,6 @@ class Projection:
         if len(self.parts) == 1:
             return self.parts[0](states)
         return torch.cat([part(states) for part in self.parts], dim=-1)
-
-    def reads(self, parts: tuple[nn.Module, ...]) -> bool:
-        """Whether this projection still reads the model's ``parts``: the same modules and, for
-        fused weights, the same row plan and the parts still reading their views of them."""
-        if parts != self.parts:  # identity first (modules compare by identity)
-            return False
-        direct = self.direct
-        if direct is None or direct is parts[0]:
-            return True
-        if direct.row_plan != parts[0].row_plan:
-            return False
-        for part, view in zip(parts, direct.part_views):
-            if part.__dict__.get("q4q8_weights") is not view:
-                return False
-        return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,13 +169,11 @@ def _fused(parts: list[nn.Module]) -> Int4Linear:
     fused.kernel, fused.row_plan, fused.dense_dtype = first.kernel, first.row_plan, first.dense_dtype
     weights = torch.cat([part.q4q8_weights for part in parts])
     fused.q4q8_weights = weights
-    offset, views = 0, []
+    offset = 0
     for part in parts:
         size = part.q4q8_weights.numel()
         part.q4q8_weights = weights[offset: offset + size]
-        views.append(part.q4q8_weights)
         offset += size
-    fused.part_views = tuple(views)  # what the parts read; another tensor there makes the decoder stale
     return fused
 
 
@@ -243,6 +229,7 @@ class LeanDecoder:
 
     def __init__(self, model: nn.Module, fuse: bool = True, native: bool = True) -> None:
         self.model = model
+        self.version = model_record(model).version  # the weights it reads (is_current)
         decoder = model.get_decoder()
         self.decoder = decoder
         self.shape = DecoderShape.of(model)
@@ -255,25 +242,11 @@ class LeanDecoder:
             self.native, self.native_off = native_loop(self.blocks, self.heads, self.kv_heads, self.head_dim)
 
     def is_current(self) -> bool:
-        """Whether the model still has the modules (and fused weights, row plans) this decoder
-        was built over: a model quantized, given another kernel or row plans after its first
-        forward gets a new one. Checked before every forward, so it reads the modules' own
-        dicts (``nn.Module.__getattr__`` made it ~6x slower: 174 us for the 28-layer target)."""
-        layers = self.decoder._modules["layers"]._modules
-        if len(layers) != len(self.blocks):
-            return False
-        for layer, block in zip(layers.values(), self.blocks):
-            children = layer._modules
-            attention = children["self_attn"]
-            if attention is not block.attention:
-                return False
-            projections, feed_forward = attention._modules, children["mlp"]._modules
-            if not (block.wqkv.reads((projections["q_proj"], projections["k_proj"], projections["v_proj"]))
-                    and block.wo.reads((projections["o_proj"],))
-                    and block.w13.reads((feed_forward["gate_proj"], feed_forward["up_proj"]))
-                    and block.w2.reads((feed_forward["down_proj"],))):
-                return False
-        return True
+        """Whether the model's modules are still those this decoder was built over: the models
+        room moves the model's weights version whenever it changes them (quantizing, a kernel,
+        row plans; :mod:`disco.models.model_record`), and a model changed after its first forward
+        gets a new decoder. One integer compared per forward."""
+        return model_record(self.model).version == self.version
 
     @property
     def fused(self) -> bool:

@@ -64,6 +64,7 @@ from disco.engines.kv import CachedSequence
 from disco.engines.packed_forward import describe_forward, supports_packing
 from disco.engines.varlen_attention import KEY_GRANULE
 from disco.models import row_stable
+from disco.models.model_record import model_record
 from disco.models.weight_only import DENSE_MIN_ROWS
 
 logger = logging.getLogger(__name__)
@@ -192,7 +193,7 @@ def prove_decoding(model: torch.nn.Module, seed: int = 0) -> Exactness:
             wrong.append(size)
             worst = max(worst, (verified - decoded_logits[:size]).abs().max().item())
     logger.debug("decoding proof on %s: %.2f s", device, device_clock.now(device) - started)
-    plans = getattr(model, "_disco_row_plans", None)
+    plans = model_record(model).row_plans
     how = f"; {plans}" if plans else ""
     blocks = "/".join(map(str, PROOF_BLOCKS))
     if wrong:

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from disco.models import q4q8
+from disco.models.model_record import weights_changed
 from disco.models.weight_only import WeightOnlyLinear, chunked_gemm
 
 #: Input features per quantization group (the kernel takes 32, 64, 128 or 256): 32 is a GGUF
@@ -182,6 +183,7 @@ def use_chosen_kernel(model: nn.Module, home: Path) -> q4q8.KernelChoice | None:
     choice = q4q8.choose_kernel(home)
     for module in linears:
         module.use_kernel(choice.kernel)
+    weights_changed(model)
     return choice
 
 

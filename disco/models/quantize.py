@@ -46,6 +46,7 @@ from torch import nn
 
 from disco.models.gguf_blocks import Int4Groups
 from disco.models.int4 import GROUP_SIZE, Int4Linear, int4_fits
+from disco.models.model_record import weights_changed
 from disco.models.weight_only import WeightOnlyLinear, chunked_gemm
 
 #: Version of the quantized format per engine (the cache is keyed by it).
@@ -171,6 +172,7 @@ def quantize_model(model: nn.Module, lm_head: bool = QUANTIZE_LM_HEAD,
         groups = native.get(f"{name}.weight") if kind is Int4Linear else None
         _set_submodule(model, name, kind.from_weight(module.weight, module.bias, dtype) if groups is None else
                        Int4Linear.from_groups(groups.q, groups.scales, groups.zeros, module.bias, dtype))
+    weights_changed(model)
     return model
 
 
@@ -185,6 +187,7 @@ def quantized_skeleton(model: nn.Module, lm_head: bool = QUANTIZE_LM_HEAD, dtype
         kind = Int4Linear if engine == "int4" and int4_fits(module) else Int8Linear
         _set_submodule(model, name, kind(module.in_features, module.out_features, module.bias is not None,
                                          dtype, device="meta"))
+    weights_changed(model)
     return model
 
 

@@ -56,6 +56,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from disco.models.model_record import model_record, weights_changed
 from disco.models.weight_only import WeightOnlyLinear, split_rows
 
 logger = logging.getLogger(__name__)
@@ -249,11 +250,13 @@ def stabilize(model: nn.Module) -> str:
     """Give the model's low-precision linears (bf16/fp16 ``nn.Linear``, int8/int4
     weight-only) a :class:`RowPlan` proven on this machine, with the probe on the device the
     linear lives on (module doc); returns what was done, for the load log, and keeps that
-    line on the model (``_disco_row_plans``: the engine's exactness statement names it).
+    line in the model's record (:class:`~disco.models.model_record.ModelRecord`: the engine's exactness
+    statement names it).
     Float32 layers are left alone (near-ties there are ~1e-5 apart and the exactness tests
     hold)."""
     line = _stabilize(model)
-    model._disco_row_plans = line
+    model_record(model).row_plans = line
+    weights_changed(model)  # the linears' and norms' plans (and classes)
     return line
 
 

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from disco.models.int4 import Int4Linear
+from disco.models.model_record import weights_changed
 from disco.models.quantize import Int8Linear
 
 class VocabSubsetHead(nn.Module):
@@ -107,6 +108,7 @@ def use_vocab_subset(model: nn.Module, size: int, special_ids: list[int]) -> str
     vocab = int(getattr(head, "out_features", None) or head.weight.shape[0])
     ids = frequent_ids(vocab, size, special_ids).to(next(model.parameters()).device)
     model.set_output_embeddings(VocabSubsetHead(subset_rows(head, ids), ids, vocab))
+    weights_changed(model)
     if getattr(model.config, "tie_word_embeddings", False):
         model.config.tie_word_embeddings = False  # the head is no longer the input embedding
     return f"LM head over the {size} most frequent of {vocab} tokens (the target verifies all of them)"
