@@ -235,7 +235,7 @@ def test_static_step_graphs_replay_the_eager_step_s_bits_on_cuda(target_model):
     from disco.engines.step_runner import capture_buckets
     from disco.engines.packed_forward import SessionRows, lean_decoder_for, packed_forward, supports_packing
     from disco.engines.kv_pool import PoolCache
-    from disco.engines.static_step import Bucket, SlotRows, StaticCaches, StaticStep
+    from disco.engines.static_step import Bucket, StaticCaches, StaticStep
     from disco.engines.varlen_attention import ONE_CALL_CUDA
 
     model = on_cuda(target_model, torch.bfloat16)
@@ -255,9 +255,9 @@ def test_static_step_graphs_replay_the_eager_step_s_bits_on_cuda(target_model):
         eager_caches.load(slot, cache, len(prompt))
         graph_caches.load(slot, cache, len(prompt))
     for bucket, blocks in ((buckets[0], [[4]]), (buckets[1], [[1, 2, 3], [4]]), (buckets[2], [[7] * 8, [1, 2]])):
-        rows = [SlotRows(slot, block) for slot, block in enumerate(blocks)]
-        eager = StaticStep(lean, eager_caches, bucket, ONE_CALL_CUDA).forward(rows)
-        replayed = graphed[bucket].forward(rows)
+        eager = StaticStep(lean, eager_caches, bucket, ONE_CALL_CUDA).forward(
+            [eager_caches.session_rows(slot, block) for slot, block in enumerate(blocks)])
+        replayed = graphed[bucket].forward([graph_caches.session_rows(slot, block) for slot, block in enumerate(blocks)])
         packed = [logits for logits, _ in packed_forward(
             model, [SessionRows(c, len(p), b, len(b)) for c, p, b in zip(packed_caches, prompts, blocks)],
             ONE_CALL_CUDA)]

@@ -218,9 +218,9 @@ def test_a_row_stable_norm_computes_what_the_norm_computes_in_fixed_shape_calls(
 
 def test_the_cuda_layout_makes_the_bias_once_per_forward():
     """The memory-efficient kernel's bias is built with the layout (once per forward), not per layer."""
-    from disco.engines.varlen_attention import additive_bias, query_layout
+    from disco.engines.batch_layout import additive_bias, packed_layout
 
-    layout = query_layout([70, 5], [3, 1], 2, 2, KEY_GRANULE, "cpu", bias_dtype=torch.bfloat16)
+    layout = packed_layout([67, 4], [3, 1], [True, True], 2, 2, KEY_GRANULE, "cpu", bias_dtype=torch.bfloat16)
     assert layout.bias is not None and layout.bias.dtype == torch.bfloat16
     assert torch.equal(layout.bias, additive_bias(layout.mask, torch.bfloat16))
-    assert query_layout([70, 5], [3, 1], 2, 2, KEY_GRANULE, "cpu").bias is None
+    assert packed_layout([67, 4], [3, 1], [True, True], 2, 2, KEY_GRANULE, "cpu").bias is None

@@ -20,8 +20,8 @@ from disco.engines.kv import CachedSequence
 from disco.engines.packed_forward import SessionRows, packed_forward
 from disco.engines.kv_pool import PAGE, PoolCache
 from disco.models.row_stable import stabilize
-from disco.engines.varlen_attention import (ONE_CALL_CPU, REFERENCE_CPU, AttentionPlan, attention_plan,
-                                            one_call_attention, query_layout)
+from disco.engines.batch_layout import packed_layout
+from disco.engines.varlen_attention import ONE_CALL_CPU, REFERENCE_CPU, AttentionPlan, attention_plan, one_call_attention
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -50,8 +50,8 @@ def _one_call(sessions, dtype):
     """sessions: (keys [1, kv, n, d], values, queries [1, heads, k, d]); the last k keys are the queries'."""
     queries = torch.cat([q for _, _, q in sessions], dim=2)
     kv_heads, heads = sessions[0][0].shape[1], queries.shape[1]
-    layout = query_layout([k.shape[2] for k, _, _ in sessions], [q.shape[2] for _, _, q in sessions],
-                          kv_heads, heads // kv_heads, ONE_CALL_CPU.key_granule, "cpu")
+    layout = packed_layout([k.shape[2] - q.shape[2] for k, _, q in sessions], [q.shape[2] for _, _, q in sessions],
+                           [True] * len(sessions), kv_heads, heads // kv_heads, ONE_CALL_CPU.key_granule, "cpu")
     return one_call_attention(queries, [k for k, _, _ in sessions], [v for _, v, _ in sessions], layout,
                               0.125, ONE_CALL_CPU)  # [1, queries, heads, dim]
 
@@ -170,9 +170,9 @@ def test_repeated_kv_heads_give_the_same_bits_as_kernel_gqa(dtype):
     other = torch.randn(1, 2, 300, 16, dtype=dtype)
     queries = torch.randn(1, 6, 3, 16, dtype=dtype)
     both = one_call_attention(torch.cat([queries, queries[:, :, :1]], dim=2), [keys, other], [values, other],
-                              query_layout([90, 300], [3, 1], 2, 3, 64, "cpu"), 0.25, plan)
-    alone = one_call_attention(queries[:, :, 2:], [keys], [values], query_layout([90], [1], 2, 3, 64, "cpu"),
-                               0.25, plan)
+                              packed_layout([87, 299], [3, 1], [True, True], 2, 3, 64, "cpu"), 0.25, plan)
+    alone = one_call_attention(queries[:, :, 2:], [keys], [values],
+                               packed_layout([89], [1], [True], 2, 3, 64, "cpu"), 0.25, plan)
     assert torch.equal(both[0, 2], alone[0, 0])
 
 

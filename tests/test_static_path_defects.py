@@ -30,7 +30,7 @@ from disco.engines.packing_proof import PackingVerdict
 from disco.engines.sessions import SessionLimits
 from disco.engines.kv_pool import PoolCache
 from disco.engines.static_runner import static_runner_for
-from disco.engines.static_step import Bucket, SlotRows, StaticCaches, StaticStep
+from disco.engines.static_step import Bucket, StaticCaches, StaticStep
 from disco.engines.target import TargetEngine
 from disco.engines.varlen_attention import ONE_CALL_CPU
 from disco.models import q4q8, row_stable
@@ -82,7 +82,8 @@ def test_a_replay_does_not_change_the_logits_an_earlier_replay_handed_out():
     model = tiny.qwen2(11)  # float32: the read was a view of the graph's output for this dtype
     _, caches = prefilled(model, PROMPTS[:2], slots=[0, 1])
     step = StaticStep(lean_decoder_for(model), caches, Bucket(2, 2), ONE_CALL_CPU)
-    first_rows, second_rows = [SlotRows(0, [3, 4]), SlotRows(1, [5])], [SlotRows(0, [9, 8]), SlotRows(1, [6, 2])]
+    rows = caches.session_rows
+    first_rows, second_rows = [rows(0, [3, 4]), rows(1, [5])], [rows(0, [9, 8]), rows(1, [6, 2])]
     expected = [logits.clone() for logits in step.forward(first_rows)]  # eager, the lengths not advanced
     graphed = step_runner.GraphedStep.__new__(step_runner.GraphedStep)  # its replay path, with a CPU graph
     graphed.step = step
@@ -226,7 +227,7 @@ def test_a_step_gathers_its_rows_slots_and_pads_in_slots_outside_the_batch(bf16_
     caches.runs[1].length = 120  # the shortest slots outside the batch take the padding: not slot 1
     step = StaticStep(lean_decoder_for(model), caches, Bucket(4, 2), ONE_CALL_CPU)
     blocks = [[1, 2], [3], [4, 5]]
-    got = step.forward([SlotRows(5, blocks[0]), SlotRows(0, blocks[1]), SlotRows(2, blocks[2])])
+    got = step.forward([caches.session_rows(slot, block) for slot, block in zip([5, 0, 2], blocks)])
     assert step.slots.tolist() == [5, 0, 2, 3]
     expected = packed_forward(model, [SessionRows(c, len(p), b, len(b)) for c, p, b in
                                       zip(caches_packed, PROMPTS, blocks)], ONE_CALL_CPU)
@@ -285,7 +286,7 @@ class RecordedGraph:
         self.step = step
         self.logits = step_runner.logits_into(step, output)
 
-    def forward(self, rows: list[SlotRows]) -> list[torch.Tensor]:
+    def forward(self, rows: list[SessionRows]) -> list[torch.Tensor]:
         self.step.fill(rows)
         step_runner.logits_into(self.step, self.logits.view(-1, self.logits.shape[-1]))
         return self.step.read(self.logits, rows)
@@ -312,10 +313,10 @@ def test_graphs_are_captured_largest_first_into_one_output_buffer(monkeypatch, b
     for graph in graphed.values():
         assert graph.logits.untyped_storage().data_ptr() == output.untyped_storage().data_ptr()
     # Replays share the buffer: a second bucket's replay leaves the first one's logits alone.
-    rows = [SlotRows(0, [3, 4]), SlotRows(1, [5])]
+    rows = [caches.session_rows(0, [3, 4]), caches.session_rows(1, [5])]
     expected = StaticStep(lean, caches, Bucket(2, 4), ONE_CALL_CPU).forward(rows)
     first = graphed[Bucket(2, 4)].forward(rows)
-    graphed[Bucket(4, 8)].forward([SlotRows(1, [7] * 8), SlotRows(0, [9])])
+    graphed[Bucket(4, 8)].forward([caches.session_rows(1, [7] * 8), caches.session_rows(0, [9])])
     for got, want in zip(first, expected):
         assert torch.equal(got, want)
 
@@ -340,9 +341,9 @@ def test_cuda_graphs_share_one_pool_and_output_and_report_the_reserved_memory():
     packed_forward(model, [SessionRows(c, 0, p, 0) for c, p in zip(caches_packed, PROMPTS[:2])], ONE_CALL_CUDA)
     for slot, (cache, prompt) in enumerate(zip(caches_packed, PROMPTS[:2])):
         caches.load(slot, cache, len(prompt))
-    rows = [SlotRows(0, [3, 4]), SlotRows(1, [5])]
+    rows = [caches.session_rows(0, [3, 4]), caches.session_rows(1, [5])]
     eager = StaticStep(lean, caches, Bucket(2, 4), ONE_CALL_CUDA).forward(rows)
     first = graphed[Bucket(2, 4)].forward(rows)
-    graphed[Bucket(4, 8)].forward([SlotRows(1, [7] * 8), SlotRows(0, [9])])
+    graphed[Bucket(4, 8)].forward([caches.session_rows(1, [7] * 8), caches.session_rows(0, [9])])
     for got, want in zip(first, eager):
         assert torch.equal(got, want)

@@ -13,7 +13,7 @@ import torch
 
 from disco.engines.packed_forward import SessionRows, lean_decoder_for, packed_forward, supports_packing
 from disco.engines.kv_pool import PoolCache
-from disco.engines.static_step import Bucket, SlotRows, StaticCaches, StaticStep, bucket_for
+from disco.engines.static_step import Bucket, StaticCaches, StaticStep, bucket_for
 from disco.engines.varlen_attention import ONE_CALL_CPU, REFERENCE_CPU
 from disco.errors import InvalidRequest
 from disco.models import q4q8, row_stable
@@ -64,7 +64,7 @@ class Sessions:
     def static_step(self, blocks: list[list[int]], bucket: Bucket | None = None) -> list[torch.Tensor]:
         bucket = bucket or bucket_for(max(self.slots) + 1, max(len(b) for b in blocks))
         step = StaticStep(lean_decoder_for(self.model), self.static, bucket, ONE_CALL_CPU)
-        return step.forward([SlotRows(slot, block) for slot, block in zip(self.slots, blocks)])
+        return step.forward([self.static.session_rows(slot, block) for slot, block in zip(self.slots, blocks)])
 
     def commit(self, blocks: list[list[int]], keep: list[int]) -> None:
         """Keep the first ``keep[i]`` tokens of each block (the rest rejected: rolled back)."""
@@ -129,10 +129,10 @@ def test_buckets_round_up_and_refuse_what_does_not_fit(model):
         StaticStep(lean, sessions.static, Bucket(1, 1), REFERENCE_CPU)
     step = StaticStep(lean, sessions.static, Bucket(1, 2), ONE_CALL_CPU)
     with pytest.raises(InvalidRequest, match="does not fit the bucket"):
-        step.forward([SlotRows(0, [1, 2, 3])])
+        step.forward([sessions.static.session_rows(0, [1, 2, 3])])
     sessions.static.runs[0].length = 63
     with pytest.raises(InvalidRequest, match="capacity of 64"):
-        step.forward([SlotRows(0, [1, 2])])
+        step.forward([sessions.static.session_rows(0, [1, 2])])
     # keys and values x 2 layers x 8 slots x 2 KV heads x 64 positions x head_dim 16
     assert sessions.static.nbytes == 2 * 2 * 8 * 2 * 64 * 16 * model.get_input_embeddings().weight.element_size()
 

@@ -29,7 +29,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
-from disco.engines.packed_forward import SessionRows, packed_forward, supports_packing
+from disco.engines.batch_layout import SessionRows
+from disco.engines.packed_forward import packed_forward, supports_packing
 from disco.engines.kv_pool import PoolCache
 from disco.engines.varlen_attention import AttentionPlan
 

@@ -71,27 +71,30 @@ class NativeLoop:
         loop covers (module doc)."""
         rows = hidden.shape[1]
         plan = packed_cache.plan
-        if not self.min_rows <= rows <= self.max_rows or plan.one_call or packed_cache.layout is not None:
+        layout = packed_cache.layout
+        if not self.min_rows <= rows <= self.max_rows or plan.one_call:
             return None
-        runs = []
-        for span in packed_cache.spans:
-            cache = span.cache
-            if not (span.one_query_at_a_time and span.end > span.start and isinstance(cache, PoolCache)
+        runs, spans = [], []
+        for index, session in enumerate(packed_cache.sessions):
+            cache = session.cache
+            start, end = layout.rows_of(index)
+            if not (session.one_query_at_a_time and end > start and isinstance(cache, PoolCache)
                     and cache.run.length > 0 and cache.run.dtype == hidden.dtype):
                 return None  # a prefill, or a cache without its prompt or in another dtype
             runs.append(cache.run)
-        spans: list[int] = []
-        for span, run in zip(packed_cache.spans, runs):
-            span.cache.pool.grow(run, run.length + span.end - span.start)  # before the call: it only writes
-            spans.extend((span.start, span.end, run.length))
+        for index, run in enumerate(runs):
+            start, end = layout.rows_of(index)
+            packed_cache.sessions[index].cache.pool.grow(run, run.length + end - start)  # before the call: it only writes
+            spans.extend((start, end, run.length))
         layer_count = len(self.out_features) // 4
         keys = [run.keys[index] for index in range(layer_count) for run in runs]  # layer-major, as the C++ loop reads
         values = [run.values[index] for index in range(layer_count) for run in runs]
         out = torch.ops.disco_q4q8.decode_layers(
             hidden, cos, sin, self.weights, self.out_features, keys, values, spans, self.heads, self.kv_heads,
             self.head_dim, self.eps, self.scaling, self.enable_gqa, plan.compute_dtype or hidden.dtype)
-        for span, run in zip(packed_cache.spans, runs):
-            run.length += span.end - span.start
+        for index, run in enumerate(runs):
+            start, end = layout.rows_of(index)
+            run.length += end - start
         return out
 
 

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -55,41 +54,17 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, create_caus
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from disco.engines import lean_decoder
+from disco.engines.batch_layout import BatchLayout, SessionRows, packed_layout
 from disco.engines.decoder_shape import DecoderShape
 from disco.engines.engine_state import engine_state
 from disco.engines.kv_pool import PoolCache
-from disco.engines.varlen_attention import AttentionPlan, QueryLayout, attention_plan, one_call_attention, query_layout
+from disco.engines.varlen_attention import AttentionPlan, attention_plan, one_call_attention
 from disco.models.weight_only import DENSE_MIN_ROWS, dense_prefill
 
 _NAME = "disco_packed_sdpa"
 _BASE = "sdpa"
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SessionRows:
-    """One session's part of a packed forward.
-
-    Attributes:
-        cache: the session's KV cache (covers ``cache_len`` tokens; extended in place): a
-            :class:`~disco.engines.kv_pool.PoolCache` or any transformers cache.
-        cache_len: tokens the cache covers before this forward.
-        tokens: the tokens to feed.
-        num_logits: logits wanted for the last ``num_logits`` fed tokens; 0 for a prefill.
-        want_hidden: also return the last hidden states of those positions (a prefill: of every
-            fed position, in the model's dtype, and no logits: the prompt's log-probabilities).
-    """
-
-    cache: Cache
-    cache_len: int
-    tokens: Sequence[int]
-    num_logits: int
-    want_hidden: bool = False
-
-    @property
-    def one_query_at_a_time(self) -> bool:
-        return self.num_logits > 0  # decoding and verification; a prefill attends as one block
 
 
 def supports_packing(model: torch.nn.Module) -> bool:
@@ -122,27 +97,30 @@ def packed_forward(model: torch.nn.Module, sessions: Sequence[SessionRows], plan
     the HF forward; or a given :class:`~disco.engines.lean_decoder.LeanDecoder`.
     """
     device = next(model.parameters()).device
-    input_ids, position_ids, packed_cache = _packed_inputs(model, sessions, plan or attention_plan(device))
+    packed_cache = _packed_cache(model, sessions, plan or attention_plan(device))
+    layout = packed_cache.layout
+    input_ids = torch.tensor([[token for rows in sessions for token in rows.tokens]], dtype=torch.long, device=device)
     # A ready-made 4D mask is passed through untouched by transformers' mask builders, so
     # no mask is built for the packed row; the attention applies each session's own mask.
     unused_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=input_ids.device)
     # Long prefill blocks are multiplied on their own: the weight-only engines' dense GEMM,
     # the row-stable linears' one plain call (no effect on other engines).
-    dense = [(span.start, span.end) for span in packed_cache.spans
-             if not span.one_query_at_a_time and span.end - span.start >= DENSE_MIN_ROWS]
+    dense = [layout.rows_of(index) for index, rows in enumerate(sessions)
+             if not rows.one_query_at_a_time and len(rows.tokens) >= DENSE_MIN_ROWS]
     decoder = lean_decoder_for(model) if lean is None or lean is True else lean or None  # None: HF's
     # 1. One forward of the decoder over the packed row; attention per session.
     with dense_prefill(dense):
         if decoder is not None:
-            hidden = decoder(input_ids, position_ids, packed_cache)[0]  # [rows, hidden]
+            hidden = decoder(input_ids, layout.positions, packed_cache)[0]  # [rows, hidden]
         else:
-            hidden = model.get_decoder()(input_ids=input_ids, attention_mask=unused_mask, position_ids=position_ids,
+            hidden = model.get_decoder()(input_ids=input_ids, attention_mask=unused_mask,
+                                         position_ids=layout.positions,
                                          cache=packed_cache, use_cache=True,
                                          packed_cache=packed_cache).last_hidden_state[0]  # [rows, hidden]
     # 2. One LM-head matmul for every row asked for: the head is the largest weight matrix,
     # reading it once per session would cost as much as a forward of a small model.
-    wanted = [hidden[span.end - rows.num_logits: span.end]  # [num_logits, hidden]
-              for rows, span in zip(sessions, packed_cache.spans)]
+    ends = layout.query_starts[1:]
+    wanted = [hidden[end - rows.num_logits: end] for rows, end in zip(sessions, ends)]  # each [num_logits, hidden]
     results: list[tuple[torch.Tensor, torch.Tensor | None]] = [(torch.empty(0), None)] * len(sessions)
     if any(rows.num_logits for rows in sessions):
         all_logits = model.get_output_embeddings()(torch.cat(wanted)).float()  # [sum of num_logits, vocab]
@@ -150,74 +128,62 @@ def packed_forward(model: torch.nn.Module, sessions: Sequence[SessionRows], plan
                 zip(sessions, wanted, all_logits.split([len(w) for w in wanted]))):
             if rows.num_logits:
                 results[index] = (logits, states.float() if rows.want_hidden else None)
-    for index, (rows, span) in enumerate(zip(sessions, packed_cache.spans)):
+    for index, rows in enumerate(sessions):
         if rows.want_hidden and not rows.num_logits:  # a prefill keeping its hidden states (prompt logprobs)
-            results[index] = (torch.empty(0), hidden[span.start: span.end])  # [fed, hidden]
+            start, end = layout.rows_of(index)
+            results[index] = (torch.empty(0), hidden[start: end])  # [fed, hidden]
     return results
-
-
-@dataclass
-class _Span:
-    cache: Cache
-    start: int  # first row of the session in the packed input
-    end: int
-    mask: torch.Tensor | None  # what the session's own block attention gets (prefill)
-    one_query_at_a_time: bool
 
 
 class PackedCache:
     """Stands in for the model's cache during a packed forward: ``update`` appends each
-    session's slice of the new keys/values to the session's own cache; the attention
-    function reads the per-session states back. With a one-call ``plan`` it also holds the
-    layout of the queries that ask for logits (built once, used by every layer)."""
+    session's rows of the new keys/values to the session's own cache; the attention function
+    reads the per-session states back. It carries the forward's :class:`BatchLayout` (built
+    once, read by every layer) and each prefill block's causal mask."""
 
-    def __init__(self, spans: list[_Span], plan: AttentionPlan, layout: QueryLayout | None) -> None:
-        self.spans = spans
+    def __init__(self, sessions: Sequence[SessionRows], layout: BatchLayout, plan: AttentionPlan,
+                 prefill_masks: Sequence[torch.Tensor | None]) -> None:
+        self.sessions = sessions
+        self.layout = layout
         self.plan = plan
-        self.layout = layout  # None: no query asks for logits, or the reference plan
+        self.prefill_masks = prefill_masks  # per session: what its own block attention gets (a prefill)
         self._states: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor,  # [1, kv_heads, rows, head_dim]
                layer_idx: int, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        self._states[layer_idx] = [
-            span.cache.update(key_states[:, :, span.start: span.end], value_states[:, :, span.start: span.end],
-                              layer_idx) if span.end > span.start else (key_states[:, :, :0], value_states[:, :, :0])
-            for span in self.spans]
+        states = []
+        for index, rows in enumerate(self.sessions):
+            start, end = self.layout.rows_of(index)
+            states.append(rows.cache.update(key_states[:, :, start: end], value_states[:, :, start: end], layer_idx)
+                          if end > start else (key_states[:, :, :0], value_states[:, :, :0]))
+        self._states[layer_idx] = states
         return key_states, value_states  # unused: the attention reads the per-session states
 
     def session_states(self, layer_idx: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return self._states[layer_idx]
 
 
-def _packed_inputs(model: torch.nn.Module, sessions: Sequence[SessionRows], plan: AttentionPlan
-                   ) -> tuple[torch.Tensor, torch.Tensor, PackedCache]:
+def _packed_cache(model: torch.nn.Module, sessions: Sequence[SessionRows], plan: AttentionPlan) -> PackedCache:
+    """The forward's layout (the one call over the sessions that ask for logits, with a one-call
+    plan) and each prefill block's causal mask, as the model's own forward builds it."""
     device = next(model.parameters()).device
     dtype = model.get_input_embeddings().weight.dtype
-    hidden_size = int(model.config.hidden_size)
-    spans, input_ids, position_ids, row = [], [], [], 0
-    for rows in sessions:
-        count = len(rows.tokens)
-        positions = torch.arange(rows.cache_len, rows.cache_len + count, device=device).unsqueeze(0)  # [1, k]
+    shape = DecoderShape.of(model)
+    layout = packed_layout([rows.cache_len for rows in sessions], [len(rows.tokens) for rows in sessions],
+                           [rows.one_query_at_a_time for rows in sessions], shape.kv_heads, shape.group,
+                           plan.key_granule, device,
+                           bias_dtype=(plan.compute_dtype or dtype) if plan.memory_efficient else None,
+                           one_call=plan.one_call)
+    hidden_size, masks = int(model.config.hidden_size), []
+    for index, rows in enumerate(sessions):
         mask = None
-        if count and not rows.one_query_at_a_time:
-            shape_only = torch.empty(1, count, hidden_size, dtype=dtype, device=device)  # the mask reads its shape
+        if rows.tokens and not rows.one_query_at_a_time:
+            start, end = layout.rows_of(index)
+            shape_only = torch.empty(1, end - start, hidden_size, dtype=dtype, device=device)  # the mask reads its shape
             mask = create_causal_mask(config=model.config, inputs_embeds=shape_only, attention_mask=None,
-                                      cache=rows.cache, position_ids=positions)
-        spans.append(_Span(rows.cache, row, row + count, mask, rows.one_query_at_a_time))
-        input_ids.extend(rows.tokens)
-        position_ids.append(positions)
-        row += count
-    ids = torch.tensor([input_ids], dtype=torch.long, device=device)
-    one_query = [(rows, span) for rows, span in zip(sessions, spans)
-                 if span.one_query_at_a_time and span.end > span.start]
-    layout = None
-    if plan.one_call and one_query:
-        shape = DecoderShape.of(model)
-        layout = query_layout([rows.cache_len + len(rows.tokens) for rows, _ in one_query],
-                              [len(rows.tokens) for rows, _ in one_query], shape.kv_heads,
-                              shape.group, plan.key_granule, device,
-                              bias_dtype=(plan.compute_dtype or dtype) if plan.memory_efficient else None)
-    return ids, torch.cat(position_ids, dim=1), PackedCache(spans, plan, layout)
+                                      cache=rows.cache, position_ids=layout.positions[:, start: end])
+        masks.append(mask)
+    return PackedCache(sessions, layout, plan, masks)
 
 
 def packed_attention(module: torch.nn.Module, query: torch.Tensor,  # query: [1, heads, rows, head_dim]
@@ -230,27 +196,29 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor,  # query: [1,
     if packed is None:
         return sdpa(module, query, key, value, attention_mask, **kwargs)
     states = packed.session_states(module.layer_idx)
+    layout = packed.layout
     one_call = None
-    if packed.layout is not None:
-        chosen = [(span, kv) for span, kv in zip(packed.spans, states)
-                  if span.one_query_at_a_time and span.end > span.start]
-        rows = torch.cat([query[:, :, span.start: span.end] for span, _ in chosen], dim=2)  # [1, heads, queries, dim]
+    if layout.call_sessions:
+        bounds = [layout.rows_of(index) for index in layout.call_sessions]
+        rows = torch.cat([query[:, :, start: end] for start, end in bounds], dim=2)  # [1, heads, queries, dim]
         scaling = kwargs.get("scaling") or module.scaling
-        one_call = iter(one_call_attention(rows, [kv[0] for _, kv in chosen], [kv[1] for _, kv in chosen],
-                                           packed.layout, scaling, packed.plan)
-                        .split([span.end - span.start for span, _ in chosen], dim=1))  # each [1, k, heads, dim]
+        one_call = iter(one_call_attention(rows, [states[index][0] for index in layout.call_sessions],
+                                           [states[index][1] for index in layout.call_sessions], layout, scaling,
+                                           packed.plan)
+                        .split([end - start for start, end in bounds], dim=1))  # each [1, k, heads, dim]
     outputs = []
-    for span, (session_keys, session_values) in zip(packed.spans, states):
-        if span.end == span.start:
+    for index, (rows, (session_keys, session_values)) in enumerate(zip(packed.sessions, states)):
+        start, end = layout.rows_of(index)
+        if end == start:
             continue
-        if span.one_query_at_a_time and one_call is not None:
+        if rows.one_query_at_a_time and one_call is not None:
             outputs.append(next(one_call))
-        elif span.one_query_at_a_time:  # the reference: query i sees the keys up to its own position, as in decoding
-            outputs.extend(_one_query_at_a_time(module, query[:, :, span.start: span.end], session_keys,
-                                                session_values, packed.plan, **kwargs))
+        elif rows.one_query_at_a_time:  # the reference: query i sees the keys up to its own position, as in decoding
+            outputs.extend(_one_query_at_a_time(module, query[:, :, start: end], session_keys, session_values,
+                                                packed.plan, **kwargs))
         else:
-            output, _ = sdpa(module, query[:, :, span.start: span.end], session_keys, session_values, span.mask,
-                             **kwargs)
+            output, _ = sdpa(module, query[:, :, start: end], session_keys, session_values,
+                             packed.prefill_masks[index], **kwargs)
             outputs.append(output)  # [1, k, heads, head_dim]
     return torch.cat(outputs, dim=1), None
 

@@ -37,10 +37,11 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from disco.engines.batch_layout import SessionRows
 from disco.engines.deferred_release import DeferredRelease
 from disco.engines.kv_pool import PoolCache
 from disco.engines.static_proof import prove_static
-from disco.engines.static_step import BLOCK_BUCKETS, SESSION_BUCKETS, Bucket, SlotRows, StaticCaches
+from disco.engines.static_step import BLOCK_BUCKETS, SESSION_BUCKETS, Bucket, StaticCaches
 from disco.engines.step_runner import StepRunner
 from disco.engines.varlen_attention import AttentionPlan
 from disco.errors import ResourceExhausted
@@ -203,13 +204,12 @@ class StaticRunner:
         and advances its cache, as the packed forward does."""
         with self._lock:
             self._released.drain()  # a freed sequence's slot back at length 0: padding rows may write past it
-        rows = [SlotRows(sequence.cache.run.slot, sequence._fed(len(sequence.tokens))) for sequence in sequences]
+        rows = [SessionRows(sequence.cache, sequence.cache.run.length, sequence._fed(len(sequence.tokens)), count)
+                for sequence, count in zip(sequences, num_logits)]
         logits = self.steps.run(rows)  # the smallest bucket by sessions, not slot numbers
-        results = []
-        for sequence, row, count, slot_logits in zip(sequences, rows, num_logits, logits):
-            sequence.cache.run.length += len(row.tokens)  # the slot's length: the one record
-            results.append((slot_logits[len(row.tokens) - count:], None))
-        return results
+        for row in rows:
+            row.cache.run.length += len(row.tokens)  # the slot's length: the one record
+        return [(slot_logits, None) for slot_logits in logits]
 
     def capture(self, buckets: Sequence[Bucket] | None = None) -> str:
         """Capture the CUDA graphs of ``buckets`` (default: every bucket the slots allow; largest

@@ -43,10 +43,11 @@ from typing import Sequence
 
 import torch
 
+from disco.engines.batch_layout import BatchLayout, SessionRows, slot_layout
 from disco.engines.decoder_shape import DecoderShape
 from disco.engines.lean_decoder import LeanDecoder
 from disco.engines.kv_pool import PAGE, KVPool, PoolCache
-from disco.engines.varlen_attention import KEY_GRANULE, AttentionPlan, attend_items, item_masks
+from disco.engines.varlen_attention import KEY_GRANULE, AttentionPlan, one_call_attention
 from disco.errors import InvalidRequest
 
 #: Batch sizes a step is padded to (CUDA graphs are captured per size).
@@ -129,13 +130,9 @@ class StaticCaches:
             run.values[layer][:, :, :length] = cache.layers[layer].values[:, :, :length]
         run.length = length
 
-
-@dataclass(frozen=True)
-class SlotRows:
-    """One slot's part of a step: the tokens to feed after its cached positions."""
-
-    slot: int
-    tokens: Sequence[int]
+    def session_rows(self, slot: int, tokens: Sequence[int]) -> SessionRows:
+        """A step's rows for the session in ``slot``: ``tokens`` after the slot's positions, logits for each."""
+        return SessionRows(self.cache(slot), self.runs[slot].length, tokens, len(tokens))
 
 
 class StepInputs:
@@ -186,31 +183,39 @@ class StaticStep:
         self._offsets = torch.arange(bucket.block, device=device)  # [block]
 
     @torch.inference_mode()
-    def forward(self, rows: Sequence[SlotRows]) -> list[torch.Tensor]:
-        """Feed each session's tokens (at most ``bucket.sessions`` sessions in distinct slots, at
-        most ``block`` tokens each); returns per row its logits ``[len(tokens), vocab]`` (float32,
-        a tensor of its own). The slots' lengths are not advanced: the caller commits what it
-        keeps (``caches.runs[slot].length``)."""
+    def forward(self, rows: Sequence[SessionRows]) -> list[torch.Tensor]:
+        """Feed each session's tokens (at most ``bucket.sessions`` sessions, each a slot's cache of its
+        own, at most ``block`` tokens each); returns per row the logits of its last ``num_logits`` tokens
+        ``[num_logits, vocab]`` (float32, a tensor of its own). The slots' lengths are not advanced:
+        the caller commits what it keeps (``caches.runs[slot].length``)."""
         self.fill(rows)
         return self.read(self.compute(), rows)
 
-    def fill(self, rows: Sequence[SlotRows]) -> None:
+    def fill(self, rows: Sequence[SessionRows]) -> None:
         """Check the rows and copy them, each row's slot and every row's slot length into the
         input buffers; the rows past ``rows`` are padding in other slots (module doc)."""
         block, lengths, sessions = self.bucket.block, self.caches.lengths, self.bucket.sessions
-        if len(rows) > sessions or len({row.slot for row in rows}) != len(rows):
-            raise InvalidRequest(f"{len(rows)} sessions in slots {[row.slot for row in rows]} do not fit the "
-                                 f"bucket {self.bucket} (one row per slot)")
+        slots = [row.cache.slot for row in rows]
+        if len(rows) > sessions or None in slots or len(set(slots)) != len(rows):
+            raise InvalidRequest(f"{len(rows)} sessions in slots {slots} do not fit the bucket {self.bucket} "
+                                 f"(one row per slot)")
         tokens = [[0] * block for _ in range(sessions)]
-        for index, row in enumerate(rows):
-            if not 0 <= row.slot < self.caches.slots or not 1 <= len(row.tokens) <= block:
-                raise InvalidRequest(f"slot {row.slot} with {len(row.tokens)} tokens does not fit the bucket "
+        for index, (slot, row) in enumerate(zip(slots, rows)):
+            if (not 0 <= slot < self.caches.slots or not 1 <= len(row.tokens) <= block
+                    or not 1 <= row.num_logits <= len(row.tokens) or row.want_hidden):
+                raise InvalidRequest(f"slot {slot} with {len(row.tokens)} tokens and {row.num_logits} logits"
+                                     f"{' and hidden states' if row.want_hidden else ''} does not fit the bucket "
                                      f"{self.bucket}")
+            if row.cache.run is not self.caches.runs[slot]:
+                raise InvalidRequest(f"the rows of slot {slot} name a cache that is not this step's slot")
+            if row.cache_len != lengths[slot]:
+                raise InvalidRequest(f"slot {slot} holds {lengths[slot]} positions, not the {row.cache_len} "
+                                     f"its rows say")
             tokens[index][: len(row.tokens)] = row.tokens
-        used = {row.slot for row in rows}
+        used = set(slots)
         padding = sorted((slot for slot in range(self.caches.slots) if slot not in used),
                          key=lambda slot: (lengths[slot], slot))[: sessions - len(rows)]
-        slots = [row.slot for row in rows] + padding
+        slots += padding
         needed = max(lengths[slot] for slot in slots) + block
         if needed > self.caches.capacity:
             raise InvalidRequest(f"a step of {block} tokens after {needed - block} positions passes the slots' "
@@ -221,43 +226,34 @@ class StaticStep:
 
     @staticmethod
     def read(logits: torch.Tensor,  # [sessions, block, vocab]: row i holds rows[i]
-             rows: Sequence[SlotRows]) -> list[torch.Tensor]:
+             rows: Sequence[SessionRows]) -> list[torch.Tensor]:
         """Each row's logits as a float32 tensor of its own: never a view of ``logits``, which a
         CUDA graph's next replay overwrites while the caller may still be reading."""
-        return [logits[index, : len(row.tokens)].to(torch.float32, copy=True) for index, row in enumerate(rows)]
+        return [logits[index, len(row.tokens) - row.num_logits: len(row.tokens)].to(torch.float32, copy=True)
+                for index, row in enumerate(rows)]
 
     def compute(self) -> torch.Tensor:  # [sessions, block, vocab] in the head's dtype
         """The step from the input buffers alone (no host value read, fixed shapes)."""
-        positions = self.lengths[:, None] + self._offsets  # [sessions, block]
-        layout = self._layout(positions)
-        hidden = self.lean.forward(self.tokens.reshape(1, -1), positions.reshape(1, -1),
-                                   lambda module, query, key, value: self._attend(module, query, key, value,
-                                                                                  positions, *layout))
-        logits = self.lean.model.get_output_embeddings()(hidden[0])  # [rows, vocab]
-        return logits.view(self.bucket.sessions, self.bucket.block, -1)
-
-    def _layout(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The one call's mask ``[sessions, kv_heads * block * group, 1, capacity]`` (query t of a
-        row sees its slot's keys up to its own position) and, for the memory-efficient kernel, its bias."""
         lean, plan = self.lean, self.plan
-        bias_dtype = (plan.compute_dtype or self.caches.keys[0].dtype) if plan.memory_efficient else None
-        return item_masks(positions, self.caches.capacity, lean.kv_heads, lean.heads // lean.kv_heads, bias_dtype)
+        layout = slot_layout(self.slots, self.lengths, self._offsets, self.caches.capacity, lean.kv_heads,
+                             lean.heads // lean.kv_heads,
+                             (plan.compute_dtype or self.caches.keys[0].dtype) if plan.memory_efficient else None)
+        hidden = lean.forward(self.tokens.reshape(1, -1), layout.positions,
+                              lambda module, query, key, value: self._attend(module, query, key, value, layout))
+        logits = lean.model.get_output_embeddings()(hidden[0])  # [rows, vocab]
+        return logits.view(self.bucket.sessions, self.bucket.block, -1)
 
     def _attend(self, module: torch.nn.Module, query: torch.Tensor,  # [1, heads, rows, dim]
                 key: torch.Tensor, value: torch.Tensor,  # [1, kv_heads, rows, dim]
-                positions: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """Store the step's keys and values at their positions in the rows' slots, then one call
-        over each row's slot gathered from the caches."""
+                layout: BatchLayout) -> torch.Tensor:  # [1, rows, heads, dim]
+        """Store the step's keys and values at their positions in the rows' slots, then the one call,
+        reading each row's slot by its id."""
         sessions, block, kv_heads, dim = self.bucket.sessions, self.bucket.block, self.lean.kv_heads, self.lean.head_dim
         layer = module.layer_idx
         slot_keys, slot_values = self.caches.keys[layer], self.caches.values[layer]
         slot_of_row = self.slots[:, None].expand(-1, block)  # [sessions, block]
+        positions = layout.positions.view(sessions, block)
         # [1, kv_heads, rows, dim] -> [sessions, block, kv_heads, dim], written at [slot, :, position]
         slot_keys[slot_of_row, :, positions] = key[0].transpose(0, 1).reshape(sessions, block, kv_heads, dim)
         slot_values[slot_of_row, :, positions] = value[0].transpose(0, 1).reshape(sessions, block, kv_heads, dim)
-        dtype = self.plan.compute_dtype or query.dtype
-        # [sessions, kv_heads, capacity, dim]: each row's slot (the rows' slots are distinct)
-        keys = slot_keys.index_select(0, self.slots).to(dtype)
-        values = slot_values.index_select(0, self.slots).to(dtype)
-        output = attend_items(query[0], keys, values, mask, bias, module.scaling, self.plan)  # [heads, rows, dim]
-        return output.transpose(0, 1).unsqueeze(0).to(query.dtype)  # [1, rows, heads, dim]
+        return one_call_attention(query, slot_keys, slot_values, layout, module.scaling, self.plan)

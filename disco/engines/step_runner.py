@@ -41,8 +41,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-from disco.engines.static_step import (BLOCK_BUCKETS, SESSION_BUCKETS, Bucket, SlotRows, StaticCaches, StaticStep,
-                                       StepInputs, bucket_for)
+from disco.engines.batch_layout import SessionRows
+from disco.engines.static_step import BLOCK_BUCKETS, SESSION_BUCKETS, Bucket, StaticCaches, StaticStep, StepInputs, bucket_for
 from disco.engines.varlen_attention import AttentionPlan
 
 logger = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ class GraphedStep:
         return self.graph.pool()
 
     @torch.inference_mode()
-    def forward(self, rows: Sequence[SlotRows]) -> list[torch.Tensor]:
+    def forward(self, rows: Sequence[SessionRows]) -> list[torch.Tensor]:
         """:meth:`StaticStep.forward` by a replay of the graph (copies of the logits: the next
         replay of any graph sharing the output overwrites it)."""
         self.step.fill(rows)
@@ -200,9 +200,9 @@ class StepRunner:
             step = self._steps[bucket] = StaticStep(self.lean, self.caches, bucket, self.plan, self.inputs)
         return step
 
-    def run(self, rows: Sequence[SlotRows]) -> list[torch.Tensor]:
+    def run(self, rows: Sequence[SessionRows]) -> list[torch.Tensor]:
         """The rows as one step of the smallest bucket holding them (sessions, not slot numbers);
-        per row its logits ``[len(tokens), vocab]`` (float32 copies). The caches' lengths are
+        per row the logits of its last ``num_logits`` tokens (float32 copies). The caches' lengths are
         the caller's to advance."""
         bucket = bucket_for(len(rows), max(len(row.tokens) for row in rows))
         return self.step(bucket).forward(rows)

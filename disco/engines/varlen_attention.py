@@ -11,7 +11,8 @@ Here every such query of every session is one item of a single batched sdpa call
 * the items are the sessions, with their keys gathered from the caches into
   ``[sessions, kv_heads, padded_keys, head_dim]`` (one ``index_select`` of the concatenated
   caches; padding slots read a zero row); a session's queries ride in the head dimension
-  (:class:`QueryLayout`), so every (item, head) is a one-row attention like a decoding step's,
+  (:class:`~disco.engines.batch_layout.BatchLayout`), so every (item, head) is a one-row
+  attention like a decoding step's,
   and a boolean mask ``[sessions, heads, 1, padded_keys]`` gives each query its own keys up to
   its position (putting a block's queries in the rows instead would make the kernel's GEMMs
   take several rows, whose bits may depend on the row count);
@@ -49,6 +50,8 @@ from typing import Sequence
 
 import torch
 
+from disco.engines.batch_layout import BatchLayout, additive_bias
+
 #: Padded key counts are multiples of this (>= every CPU vector width in floats: 16 on AVX-512).
 KEY_GRANULE = 64
 
@@ -79,7 +82,7 @@ class AttentionPlan:
         """One attention call: torch's sdpa (its own kernel choice), or, with ``memory_efficient``,
         the memory-efficient kernel called directly (what sdpa runs when that backend is chosen:
         the boolean mask turned into an additive bias of 0 / -inf in the queries' dtype;
-        ``bias``: that bias made once per forward, :attr:`QueryLayout.bias`).
+        ``bias``: that bias made once per forward, :attr:`~disco.engines.batch_layout.BatchLayout.bias`).
 
         NOTE: called directly, not through ``torch.nn.attention.sdpa_kernel``: that context sets
         process-wide backend flags, so another thread's attention (the other model's prefill) ran
@@ -92,13 +95,6 @@ class AttentionPlan:
         output, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(items, keys, values, bias, False, 0.0,
                                                                             False, scale=scale)
         return output
-
-
-def additive_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean attention mask as sdpa converts it for its fused kernels: 0 where True, -inf
-    where False, in ``dtype``, same shape."""
-    zero = torch.zeros((), dtype=dtype, device=mask.device)
-    return torch.where(mask, zero, torch.full_like(zero, float("-inf")))
 
 
 def attention_plan(device: torch.device | str) -> AttentionPlan:
@@ -135,96 +131,42 @@ ONE_CALL_CPU = AttentionPlan(one_call=True, compute_dtype=torch.float32, kernel_
 ONE_CALL_CUDA = AttentionPlan(one_call=True, compute_dtype=None, kernel_gqa=False, memory_efficient=True)
 
 
-@dataclass(frozen=True)
-class QueryLayout:
-    """Where each query of one call finds its keys; built once per forward, used by every layer.
+def one_call_attention(queries: torch.Tensor,  # [1, heads, call rows, head_dim]: the call sessions' rows, in order
+                       keys: Sequence[torch.Tensor] | torch.Tensor,
+                       values: Sequence[torch.Tensor] | torch.Tensor,
+                       layout: BatchLayout, scaling: float, plan: AttentionPlan) -> torch.Tensor:
+    """Every query of the layout's call over its own session's keys up to its position, in one
+    sdpa call. ``keys``/``values``: each call session's own states ``[1, kv_heads, keys_s, head_dim]``
+    (the packed forward: gathered by :attr:`BatchLayout.key_gather`), or the pool's slot chunk
+    ``[slots, kv_heads, capacity, head_dim]`` (the static step: read by :attr:`BatchLayout.slots`).
 
-    The call's items are the sessions; a session's queries ride in the head dimension
-    (``kv_heads x max_queries x group`` query heads of one row each, kv-head-major, so the
-    kernel's GQA maps each to its key head). Every (item, head) is then the one-row attention
-    a solo decoding step computes, and the keys are gathered once per session, not per query.
-
-    Attributes:
-        key_gather: ``[sessions * padded_keys]`` indices into the concatenated session keys
-            plus one zero row (index ``sum(session_keys)``) for the padding.
-        query_gather: ``[sessions * max_queries]`` indices into the call's query rows plus one
-            zero row (index ``num_queries``) for the padding.
-        query_rows: ``[num_queries]`` positions of the real queries in ``sessions * max_queries``.
-        mask: ``[sessions, kv_heads * max_queries * group, 1, padded_keys]``, True where a
-            query attends (a padding query attends key 0 only, so no row is empty).
-        padded_keys: key slots per session (a multiple of the granule).
-        max_queries: query slots per session.
-        bias: ``mask`` as the memory-efficient kernel's additive bias (:func:`additive_bias`),
-            when the plan calls that kernel; else ``None``.
-    """
-
-    key_gather: torch.Tensor
-    query_gather: torch.Tensor
-    query_rows: torch.Tensor
-    mask: torch.Tensor
-    padded_keys: int
-    max_queries: int
-    bias: torch.Tensor | None = None
-
-    @property
-    def num_sessions(self) -> int:
-        return self.mask.shape[0]
-
-    @property
-    def num_queries(self) -> int:
-        return self.query_rows.shape[0]
-
-
-def query_layout(session_keys: Sequence[int], session_queries: Sequence[int], kv_heads: int, group: int,
-                 granule: int, device: torch.device | str, bias_dtype: torch.dtype | None = None) -> QueryLayout:
-    """The layout of sessions whose caches hold ``session_keys[s]`` keys after the update,
-    the last ``session_queries[s]`` of them being this forward's queries: query ``i`` of
-    session ``s`` sees its first ``session_keys[s] - session_queries[s] + 1 + i`` keys.
-    ``group``: query heads per key head; ``bias_dtype``: also make :attr:`QueryLayout.bias`."""
-    sessions = len(session_keys)
-    assert sessions and all(1 <= q <= k for k, q in zip(session_keys, session_queries)), (session_keys, session_queries)
-    max_queries = max(session_queries)
-    padded = max(1, -(-max(session_keys) // granule)) * granule
-    keys = torch.tensor(session_keys, dtype=torch.long)
-    queries = torch.tensor(session_queries, dtype=torch.long)
-    key_offsets = torch.cumsum(keys, 0) - keys  # [sessions]
-    query_offsets = torch.cumsum(queries, 0) - queries
-    slots = torch.arange(padded)  # [padded]
-    key_gather = torch.where(slots < keys[:, None], key_offsets[:, None] + slots, int(keys.sum()))  # [sessions, padded]
-    query_slots = torch.arange(max_queries)  # [max_queries]
-    real = query_slots < queries[:, None]  # [sessions, max_queries]
-    query_gather = torch.where(real, query_offsets[:, None] + query_slots, int(queries.sum()))
-    positions = torch.where(real, (keys - queries)[:, None] + query_slots, 0)  # [sessions, max_queries]
-    mask, bias = item_masks(positions.to(device), padded, kv_heads, group, bias_dtype)
-    return QueryLayout(key_gather.reshape(-1).to(device), query_gather.reshape(-1).to(device),
-                       real.reshape(-1).nonzero().squeeze(1).to(device), mask, padded, max_queries, bias)
-
-
-def one_call_attention(queries: torch.Tensor,  # [1, heads, num_queries, head_dim]
-                       session_keys: Sequence[torch.Tensor],  # each [1, kv_heads, keys_s, head_dim]
-                       session_values: Sequence[torch.Tensor],  # each [1, kv_heads, keys_s, head_dim]
-                       layout: QueryLayout, scaling: float, plan: AttentionPlan) -> torch.Tensor:
-    """Every query over its own session's keys up to its position, in one sdpa call.
-
-    Returns ``[1, num_queries, heads, head_dim]`` in the queries' dtype (the layout of the
+    Returns ``[1, call rows, heads, head_dim]`` in the queries' dtype (the layout of the
     model's attention output)."""
     heads, head_dim = queries.shape[1], queries.shape[3]
-    kv_heads = session_keys[0].shape[1]
-    sessions = layout.num_sessions
     dtype = plan.compute_dtype or queries.dtype
+    rows = queries[0]  # [heads, call rows, head_dim]
+    if layout.query_gather is not None:
+        padded = torch.cat([rows, rows.new_zeros(heads, 1, head_dim)], dim=1)  # [heads, queries + 1, dim]
+        rows = padded.index_select(1, layout.query_gather)  # [heads, call sessions * max_queries, dim]
+    output = attend_items(rows, session_states(keys, layout, dtype), session_states(values, layout, dtype),
+                          layout.mask, layout.bias, scaling, plan)  # [heads, call sessions * max_queries, dim]
+    if layout.query_rows is not None:
+        output = output.index_select(1, layout.query_rows)  # [heads, num_queries, dim]
+    return output.transpose(0, 1).unsqueeze(0).to(queries.dtype)  # [1, call rows, heads, head_dim]
 
-    def gathered(states: Sequence[torch.Tensor]) -> torch.Tensor:  # [sessions, kv_heads, padded, dim]
-        zero = states[0].new_zeros(1, kv_heads, 1, head_dim)
-        flat = torch.cat([*states, zero], dim=2)[0]  # [kv_heads, total + 1, head_dim]
-        # Gathered and cast while contiguous; the kernel takes the transposed view as it is.
-        picked = flat.index_select(1, layout.key_gather).to(dtype)  # [kv_heads, sessions * padded, head_dim]
-        return picked.view(kv_heads, sessions, layout.padded_keys, head_dim).transpose(0, 1)
 
-    rows = torch.cat([queries[0], queries.new_zeros(heads, 1, head_dim)], dim=1)  # [heads, queries + 1, dim]
-    output = attend_items(rows.index_select(1, layout.query_gather), gathered(session_keys),
-                          gathered(session_values), layout.mask, layout.bias, scaling, plan)
-    output = output.index_select(1, layout.query_rows)  # [heads, num_queries, dim]
-    return output.transpose(0, 1).unsqueeze(0).to(queries.dtype)  # [1, num_queries, heads, head_dim]
+def session_states(states: Sequence[torch.Tensor] | torch.Tensor, layout: BatchLayout,
+                   dtype: torch.dtype) -> torch.Tensor:  # [call sessions, kv_heads, padded_keys, head_dim]
+    """The call sessions' keys (or values) as the one call reads them, in ``dtype``: by slot id from
+    the slot chunk, or gathered from each session's own states with one zero row for the padding."""
+    if layout.slots is not None:
+        return states.index_select(0, layout.slots).to(dtype)
+    kv_heads, head_dim = states[0].shape[1], states[0].shape[3]
+    zero = states[0].new_zeros(1, kv_heads, 1, head_dim)
+    flat = torch.cat([*states, zero], dim=2)[0]  # [kv_heads, total + 1, head_dim]
+    # Gathered and cast while contiguous; the kernel takes the transposed view as it is.
+    picked = flat.index_select(1, layout.key_gather).to(dtype)  # [kv_heads, sessions * padded, head_dim]
+    return picked.view(kv_heads, len(layout.call_sessions), layout.padded_keys, head_dim).transpose(0, 1)
 
 
 def attend_items(rows: torch.Tensor,  # [heads, sessions * slots, head_dim]: session-major, kv-head-major heads
@@ -248,36 +190,10 @@ def attend_items(rows: torch.Tensor,  # [heads, sessions * slots, head_dim]: ses
     return from_items(output, kv_heads, slots)
 
 
-def visible_keys(positions: torch.Tensor,  # [sessions, slots]: each query's position (a padding query: 0)
-                 keys: int) -> torch.Tensor:  # [sessions, slots, keys], bool
-    """The one rule of which keys a query sees: its session's keys up to its own position, what
-    a one-token decoding step at that position attends (so a verified block gives decoding's
-    bits); a padding query sees key 0 only (no row is empty). Padded keys past a session's
-    length are masked: they add exact zeros."""
-    return torch.arange(keys, device=positions.device) <= positions[:, :, None]
-
-
-def item_masks(positions: torch.Tensor,  # [sessions, slots]: each query's position (a padding query: 0)
-               keys: int, kv_heads: int, group: int, bias_dtype: torch.dtype | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The one call's mask ``[sessions, kv_heads * slots * group, 1, keys]`` (:func:`visible_keys`
-    laid out as :func:`as_items` lays out the queries) and, with ``bias_dtype`` (the
-    memory-efficient kernel's plans), its additive bias: built once per forward, read by every layer."""
-    mask = item_mask(visible_keys(positions, keys), kv_heads, group)
-    return mask, additive_bias(mask, bias_dtype) if bias_dtype is not None else None
-
-
-def item_mask(visible: torch.Tensor,  # [sessions, slots, keys], bool: True where query slot attends key
-              kv_heads: int, group: int) -> torch.Tensor:  # [sessions, kv_heads * slots * group, 1, keys]
-    """A mask per query slot as the one call's mask, kv-head-major like :func:`as_items`."""
-    sessions, slots, keys = visible.shape
-    expanded = visible[:, None, :, None, :].expand(sessions, kv_heads, slots, group, keys)
-    return expanded.reshape(sessions, kv_heads * slots * group, 1, keys)
-
-
 def as_items(rows: torch.Tensor,  # [heads, sessions * slots, head_dim], session-major, heads kv-head-major
              kv_heads: int, sessions: int) -> torch.Tensor:  # [sessions, kv_heads * slots * group, 1, head_dim]
-    """The one call's items: a session's query slots ride in the head dimension (:class:`QueryLayout`)."""
+    """The one call's items: a session's query slots ride in the head dimension
+    (:class:`~disco.engines.batch_layout.BatchLayout`)."""
     heads, count, head_dim = rows.shape
     group, slots = heads // kv_heads, count // sessions
     items = rows.view(kv_heads, group, sessions, slots, head_dim).permute(2, 0, 3, 1, 4)

@@ -40,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from disco.engines import packing_proof  # noqa: E402
 from disco.engines.kv import CachedSequence  # noqa: E402
-from disco.engines.varlen_attention import attention_plan, one_call_attention, query_layout  # noqa: E402
+from disco.engines.batch_layout import packed_layout  # noqa: E402
+from disco.engines.varlen_attention import attention_plan, one_call_attention  # noqa: E402
 from disco.models import hub_kernels, row_stable  # noqa: E402
 from disco.models.architectures import default_pair_architectures  # noqa: E402
 
@@ -120,10 +121,14 @@ def attention_backends(dtype: torch.dtype) -> dict:
         try:
             context = sdpa_kernel(backends) if backends else torch.inference_mode()
             with context, torch.inference_mode():
-                alone = [one_call_attention(q, [k], [v], query_layout([n], [q.shape[2]], kv_heads, heads // kv_heads,
-                                                                       plan.key_granule, "cuda"), 0.088, plan)
+                def layout_of(key_counts, query_counts):  # keys after the update, the last ones the queries'
+                    return packed_layout([n - q for n, q in zip(key_counts, query_counts)], query_counts,
+                                         [True] * len(query_counts), kv_heads, heads // kv_heads, plan.key_granule,
+                                         "cuda")
+
+                alone = [one_call_attention(q, [k], [v], layout_of([n], [q.shape[2]]), 0.088, plan)
                          for q, (k, v), n in zip(rows, states, keys)]
-                layout = query_layout(keys, queries, kv_heads, heads // kv_heads, plan.key_granule, "cuda")
+                layout = layout_of(keys, queries)
                 packed = one_call_attention(torch.cat(rows, dim=2), [s[0] for s in states], [s[1] for s in states],
                                             layout, 0.088, plan).split(queries, dim=1)
                 # decoding: each query alone over its keys, against the same query inside its block
@@ -133,8 +138,7 @@ def attention_backends(dtype: torch.dtype) -> dict:
                     for i in range(width):
                         visible = n - width + 1 + i
                         one = one_call_attention(q[:, :, i:i + 1], [k[:, :, :visible]], [v[:, :, :visible]],
-                                                 query_layout([visible], [1], kv_heads, heads // kv_heads,
-                                                              plan.key_granule, "cuda"), 0.088, plan)
+                                                 layout_of([visible], [1]), 0.088, plan)
                         decoded_wrong += not torch.equal(one[0, 0], block[0, i])
             wrong = sum(not torch.equal(a, b) for a, b in zip(alone, packed))
             result[label] = {"packed_changed": wrong, "sessions": sessions, "decoded_vs_block_changed": decoded_wrong}

@@ -22,7 +22,8 @@ from transformers import DynamicCache
 from disco.engines.packed_forward import _one_query_at_a_time
 from disco.engines.decoder_shape import DecoderShape
 from disco.engines.kv_pool import KVPool, PoolCache
-from disco.engines.varlen_attention import ONE_CALL_CPU, REFERENCE_CPU, one_call_attention, query_layout
+from disco.engines.batch_layout import packed_layout
+from disco.engines.varlen_attention import ONE_CALL_CPU, REFERENCE_CPU, one_call_attention
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 12, 2, 128, 28
 
@@ -52,7 +53,8 @@ def attention(sessions: int, block: int, repeats: int, rng: random.Random) -> tu
                                      REFERENCE_CPU, scaling=module.scaling)
 
     def one_call() -> None:
-        layout = query_layout(lengths, [block] * sessions, KV_HEADS, HEADS // KV_HEADS, plan.key_granule, "cpu")
+        layout = packed_layout([n - block for n in lengths], [block] * sessions, [True] * sessions, KV_HEADS,
+                               HEADS // KV_HEADS, plan.key_granule, "cpu")
         for _ in range(LAYERS):
             one_call_attention(queries, keys, values, layout, module.scaling, plan)
 

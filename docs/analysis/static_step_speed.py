@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from disco.engines.packed_forward import lean_decoder_for, supports_packing
-from disco.engines.static_step import Bucket, SlotRows, StaticCaches, StaticStep
+from disco.engines.static_step import Bucket, StaticCaches, StaticStep
 from disco.engines.varlen_attention import ONE_CALL_CPU, ONE_CALL_CUDA
 from disco.models import row_stable
 from disco.models.architectures import default_pair_architectures
@@ -84,9 +84,10 @@ def main() -> None:
         for keys, values in zip(caches.keys, caches.values):  # random context in every slot
             keys[:, :, : args.context] = torch.randn(keys[:, :, : args.context].shape, generator=generator).to(keys)
             values[:, :, : args.context] = torch.randn(values[:, :, : args.context].shape, generator=generator).to(values)
-        caches.lengths = [args.context] * args.slots
+        for run in caches.runs:
+            run.length = args.context
         for bucket in buckets:
-            rows = [SlotRows(slot, [7] * bucket.block) for slot in range(bucket.sessions)]
+            rows = [caches.session_rows(slot, [7] * bucket.block) for slot in range(bucket.sessions)]
             eager = median_ms(lambda: steps[bucket].forward(rows), device, args.repeats)
             replay = median_ms(lambda: graphed[bucket].forward(rows), device, args.repeats) if graphed else None
             results.append({"role": role, "sessions": bucket.sessions, "block": bucket.block, "eager_ms": eager,
