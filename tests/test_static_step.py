@@ -137,6 +137,31 @@ def test_buckets_round_up_and_refuse_what_does_not_fit(model):
     assert sessions.static.nbytes == 2 * 2 * 8 * 2 * 64 * 16 * model.get_input_embeddings().weight.element_size()
 
 
+def test_a_step_takes_the_packed_forwards_rows_and_refuses_rows_that_are_not_its_slots(model):
+    """The static step reads the packed forward's SessionRows: logits for the last num_logits tokens;
+    a cache that is not one of its slots, a length other than the slot's, or hidden states: refused."""
+    sessions = Sessions(model, PROMPTS[:2], slots=[0, 1], capacity=64)
+    step = StaticStep(lean_decoder_for(model), sessions.static, Bucket(2, 4), ONE_CALL_CPU)
+    whole = step.forward([sessions.static.session_rows(0, [1, 2, 3]), sessions.static.session_rows(1, [4])])
+    rows = sessions.static.session_rows(0, [1, 2, 3])
+    rows.num_logits = 2
+    last_two = step.forward([rows, sessions.static.session_rows(1, [4])])
+    assert torch.equal(last_two[0], whole[0][1:]) and torch.equal(last_two[1], whole[1])
+    with pytest.raises(InvalidRequest, match="not this step's slot"):
+        step.forward([SessionRows(PoolCache.for_model(model, 64), 0, [1], 1)])
+    other = StaticCaches(model, 8, 64)
+    with pytest.raises(InvalidRequest, match="not this step's slot"):
+        step.forward([other.session_rows(0, [1])])
+    rows = sessions.static.session_rows(0, [1])
+    rows.cache_len += 1
+    with pytest.raises(InvalidRequest, match="positions, not the"):
+        step.forward([rows])
+    rows = sessions.static.session_rows(0, [1])
+    rows.want_hidden = True
+    with pytest.raises(InvalidRequest, match="hidden states"):
+        step.forward([rows])
+
+
 def test_graph_capture_is_refused_for_a_cpu_step(model):
     from disco.engines.step_runner import GraphedStep, capture_buckets
 

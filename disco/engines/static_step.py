@@ -19,10 +19,14 @@ lengths, a row of ``sum(k_i)`` tokens, Python loops over sessions). Here:
   sessions are padding, each in a distinct slot outside the batch (the shortest first), and so
   are the tokens past a session's own block: their keys and values land past their slot's
   length (never read, overwritten by the next real write) and their logits are dropped.
-* **One attention call per layer**: every (slot, query) is one row of the one-call layout of
-  :mod:`disco.engines.varlen_attention` — a slot's queries ride in the head dimension, each
-  attends its slot's keys up to its own position, over the whole capacity (masked keys add exact
-  zeros) — built from the lengths tensor on the device, so the step reads nothing back.
+* **One attention call per layer**: the packed forward's one call
+  (:func:`~disco.engines.varlen_attention.one_call_attention`) over the step's
+  :class:`~disco.engines.batch_layout.BatchLayout` (:func:`~disco.engines.batch_layout.slot_layout`:
+  keys read by slot id) — a slot's queries ride in the head dimension, each attends its slot's keys
+  up to its own position, over the whole capacity (masked keys add exact zeros) — built from the
+  lengths tensor on the device, so the step reads nothing back. A step's rows are
+  :class:`~disco.engines.batch_layout.SessionRows` whose caches are slots
+  (:meth:`StaticCaches.session_rows`), as the packed forward's are sessions' runs.
 * **The lean decoder's layers** (:mod:`disco.engines.lean_decoder`): the same projections,
   norms and rotary, over ``sessions x block`` rows.
 
@@ -196,7 +200,9 @@ class StaticStep:
         input buffers; the rows past ``rows`` are padding in other slots (module doc)."""
         block, lengths, sessions = self.bucket.block, self.caches.lengths, self.bucket.sessions
         slots = [row.cache.slot for row in rows]
-        if len(rows) > sessions or None in slots or len(set(slots)) != len(rows):
+        if None in slots:
+            raise InvalidRequest("rows name a cache that is not this step's slot (a session off the static path)")
+        if len(rows) > sessions or len(set(slots)) != len(rows):
             raise InvalidRequest(f"{len(rows)} sessions in slots {slots} do not fit the bucket {self.bucket} "
                                  f"(one row per slot)")
         tokens = [[0] * block for _ in range(sessions)]
