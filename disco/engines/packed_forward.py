@@ -49,7 +49,6 @@ import os
 from typing import Sequence
 
 import torch
-from transformers.cache_utils import Cache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, create_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -147,16 +146,16 @@ class PackedCache:
         self.layout = layout
         self.plan = plan
         self.prefill_masks = prefill_masks  # per session: what its own block attention gets (a prefill)
+        self.one_query = tuple(rows.one_query_at_a_time for rows in sessions)  # read per layer: once here
         self._states: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor,  # [1, kv_heads, rows, head_dim]
                layer_idx: int, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        states = []
-        for index, rows in enumerate(self.sessions):
-            start, end = self.layout.rows_of(index)
-            states.append(rows.cache.update(key_states[:, :, start: end], value_states[:, :, start: end], layer_idx)
-                          if end > start else (key_states[:, :, :0], value_states[:, :, :0]))
-        self._states[layer_idx] = states
+        starts = self.layout.query_starts
+        self._states[layer_idx] = [
+            rows.cache.update(key_states[:, :, start: end], value_states[:, :, start: end], layer_idx)
+            if end > start else (key_states[:, :, :0], value_states[:, :, :0])
+            for rows, start, end in zip(self.sessions, starts, starts[1:])]
         return key_states, value_states  # unused: the attention reads the per-session states
 
     def session_states(self, layer_idx: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -207,13 +206,14 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor,  # query: [1,
                                            packed.plan)
                         .split([end - start for start, end in bounds], dim=1))  # each [1, k, heads, dim]
     outputs = []
-    for index, (rows, (session_keys, session_values)) in enumerate(zip(packed.sessions, states)):
-        start, end = layout.rows_of(index)
+    starts = layout.query_starts
+    for index, (start, end, one_query, (session_keys, session_values)) in enumerate(
+            zip(starts, starts[1:], packed.one_query, states)):
         if end == start:
             continue
-        if rows.one_query_at_a_time and one_call is not None:
+        if one_query and one_call is not None:
             outputs.append(next(one_call))
-        elif rows.one_query_at_a_time:  # the reference: query i sees the keys up to its own position, as in decoding
+        elif one_query:  # the reference: query i sees the keys up to its own position, as in decoding
             outputs.extend(_one_query_at_a_time(module, query[:, :, start: end], session_keys, session_values,
                                                 packed.plan, **kwargs))
         else:

@@ -44,7 +44,6 @@ from disco.engines.static_proof import prove_static
 from disco.engines.static_step import BLOCK_BUCKETS, SESSION_BUCKETS, Bucket, StaticCaches
 from disco.engines.step_runner import StepRunner
 from disco.engines.varlen_attention import AttentionPlan
-from disco.errors import ResourceExhausted
 
 if TYPE_CHECKING:
     from disco.engines.kv import CachedSequence
