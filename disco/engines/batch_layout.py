@@ -63,7 +63,8 @@ class BatchLayout:
     Attributes:
         query_starts: ``[sessions + 1]`` host ints: session ``s`` feeds rows
             ``query_starts[s]:query_starts[s + 1]`` of the forward (cumulative query counts).
-        cache_lengths: ``[sessions]`` long: positions each session's cache holds before the forward.
+        cache_lengths: ``[sessions]`` long: positions each session's cache holds before the forward (the
+            packed forward: on the host, nothing on the device reads it; the static step: its input buffer).
         positions: ``[1, rows]`` long: each row's position (the rotary embedding's input).
         call_sessions: host ints: the sessions in the one call, in call order; empty: no call.
         max_queries: query slots per session in the call (a session's queries ride in the head
@@ -123,7 +124,7 @@ def packed_layout(cache_lengths: Sequence[int], query_counts: Sequence[int], in_
     lengths = torch.tensor(list(cache_lengths), dtype=torch.long)
     chosen = tuple(index for index, (count, wanted) in enumerate(zip(query_counts, in_call)) if wanted and count)
     if not one_call or not chosen:
-        return BatchLayout(tuple(starts), lengths.to(device), positions)
+        return BatchLayout(tuple(starts), lengths, positions)
     keys = torch.tensor([cache_lengths[s] + query_counts[s] for s in chosen], dtype=torch.long)  # after the update
     queries = torch.tensor([query_counts[s] for s in chosen], dtype=torch.long)
     max_queries = int(queries.max())
@@ -137,7 +138,7 @@ def packed_layout(cache_lengths: Sequence[int], query_counts: Sequence[int], in_
     query_gather = torch.where(real, query_offsets[:, None] + query_slots, int(queries.sum()))
     item_positions = torch.where(real, (keys - queries)[:, None] + query_slots, 0)  # [call sessions, max_queries]
     mask, bias = item_masks(item_positions.to(device), padded, kv_heads, group, bias_dtype)
-    return BatchLayout(tuple(starts), lengths.to(device), positions, chosen, max_queries, padded, mask, bias,
+    return BatchLayout(tuple(starts), lengths, positions, chosen, max_queries, padded, mask, bias,
                        key_gather=key_gather.reshape(-1).to(device), query_gather=query_gather.reshape(-1).to(device),
                        query_rows=real.reshape(-1).nonzero().squeeze(1).to(device))
 
